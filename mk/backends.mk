@@ -1,0 +1,51 @@
+# Backend lanes: Horovod (own venv, torch 2.13.0 + horovod 0.28.1 built from source), XLA (own venv, torch 2.9.1 +
+# torch_xla 2.9.0, PJRT_DEVICE=CPU) and MPI (Debian OpenMPI + the main .venv). Included by the main Makefile.
+#
+#   make env-horovod | env-xla | env-mpi      build one lane's environment (cached under $(FABRICLITE_CACHE))
+#   make test-horovod | test-xla | test-mpi   run one lane (its environment must exist)
+#   make test-backends                        CI=true: build what is missing and run every lane;
+#                                             otherwise: run the lanes whose environment is cached, and for each
+#                                             other lane print one line saying how to build it.
+# A failing lane fails test-backends (after the other lanes have run), and so `make test`.
+
+BACKEND_ENV := bash scripts/backend_env.sh
+BACKEND_LANES := horovod xla mpi
+export FABRICLITE_CACHE ?= $(HOME)/.cache/fabriclite
+# Lane tests run this checkout's code whatever checkout the cached venv was installed from.
+LANE_PYTEST = PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} FABRICLITE_LANE=$(1) $(2) -m pytest -q -p no:cacheprovider tests/backends/$(1)
+
+.PHONY: env-horovod env-xla env-mpi test-horovod test-xla test-mpi test-backends
+
+env-horovod env-xla env-mpi:
+	$(BACKEND_ENV) $(@:env-%=%)
+
+test-horovod:
+	@$(BACKEND_ENV) horovod --check || { echo "horovod lane: environment missing; run 'make env-horovod'"; exit 1; }
+	$(call LANE_PYTEST,horovod,"$$($(BACKEND_ENV) horovod --path)/bin/python")
+
+test-xla:
+	@$(BACKEND_ENV) xla --check || { echo "xla lane: environment missing; run 'make env-xla'"; exit 1; }
+	$(call LANE_PYTEST,xla,"$$($(BACKEND_ENV) xla --path)/bin/python")
+
+test-mpi: venv
+	@$(BACKEND_ENV) mpi --check || { echo "mpi lane: OpenMPI missing; run 'make env-mpi'"; exit 1; }
+	$(call LANE_PYTEST,mpi,$(PY))
+
+test-backends: venv
+	@failed=""; \
+	for lane in $(BACKEND_LANES); do \
+	  if ! $(BACKEND_ENV) $$lane --check; then \
+	    if [ "$$CI" = "true" ]; then \
+	      start=$$(date +%s); \
+	      $(MAKE) --no-print-directory env-$$lane || { failed="$$failed env-$$lane"; continue; }; \
+	      echo "== env-$$lane built in $$(( $$(date +%s) - start )) s"; \
+	    else \
+	      echo "== $$lane lane skipped: its environment is not built; 'make env-$$lane' builds it (once, cached)"; \
+	      continue; \
+	    fi; \
+	  fi; \
+	  start=$$(date +%s); \
+	  $(MAKE) --no-print-directory test-$$lane || failed="$$failed test-$$lane"; \
+	  echo "== $$lane lane took $$(( $$(date +%s) - start )) s"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "== backend lanes failed:$$failed"; exit 1; fi

@@ -1,0 +1,8 @@
+"""Backend lanes are collected only inside their own environment: ``FABRICLITE_LANE=<lane>`` (set by
+``make test-<lane>``) selects ``tests/backends/<lane>``; the main run (``pytest tests``) collects none of them."""
+import os
+
+_LANES = ("horovod", "xla", "mpi")
+_lane = os.environ.get("FABRICLITE_LANE", "")
+
+collect_ignore = [lane for lane in _LANES if lane != _lane]
