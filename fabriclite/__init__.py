@@ -1,0 +1,5 @@
+"""fabriclite: turn a plain PyTorch script into a distributed one with one object, ``Fabric``."""
+from fabriclite.fabric import Fabric
+
+__version__ = "0.1.0.dev0"
+__all__ = ["Fabric", "__version__"]

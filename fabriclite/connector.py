@@ -1,0 +1,247 @@
+"""``Fabric(...)`` arguments + the process environment -> the parts (accelerator, strategy,
+precision, cluster environment).
+
+Every argument is validated here, before anything starts; each bad value raises ValueError or
+TypeError naming the value, what is valid, and the fix.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any, Iterable, List, Optional, Union
+
+from fabriclite.accelerators import ACCELERATORS, Accelerator, accelerator_class
+from fabriclite.environments import ClusterEnvironment, detect_environment
+from fabriclite.precision import Precision, normalize_precision, precision_plugin
+from fabriclite.strategies import STRATEGIES, DDPStrategy, SingleDeviceStrategy, Strategy, create_strategy
+
+#: variables `fabriclite run` sets in its ranks: CLI flags that fill what the code leaves unset
+CLI_ENV = {
+    "accelerator": "FABRICLITE_CLI_ACCELERATOR",
+    "strategy": "FABRICLITE_CLI_STRATEGY",
+    "devices": "FABRICLITE_CLI_DEVICES",
+    "num_nodes": "FABRICLITE_CLI_NUM_NODES",
+    "precision": "FABRICLITE_CLI_PRECISION",
+}
+HOROVOD_RECIPE = ("install it with `make env-horovod` (see docs/backends.md: horovod 0.28.1 built from source with "
+                  "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1) and run under horovodrun")
+XLA_RECIPE = "install it with `pip install torch==2.9.1 torch-xla==2.9.0` (or `make env-xla`; see docs/backends.md)"
+
+
+class Connector:
+    """Resolves the Fabric arguments into ``accelerator``, ``strategy``, ``precision`` and
+    ``cluster_environment``; also ``num_nodes`` and ``num_processes`` (ranks per node)."""
+
+    def __init__(
+        self,
+        accelerator: Union[str, Accelerator] = "auto",
+        strategy: Union[str, Strategy] = "auto",
+        devices: Union[List[int], str, int] = "auto",
+        num_nodes: Optional[int] = None,
+        precision: Union[str, int, None] = None,
+        plugins: Optional[Any] = None,
+    ) -> None:
+        accelerator = _from_cli("accelerator", accelerator, "auto")
+        strategy = _from_cli("strategy", strategy, "auto")
+        devices = _from_cli("devices", devices, "auto")
+        num_nodes = _from_cli("num_nodes", num_nodes, None)
+        precision = _from_cli("precision", precision, None)
+
+        forced_env, precision_instance = _split_plugins(plugins)
+        self.num_nodes_given = num_nodes is not None
+        self.num_nodes = _check_num_nodes(num_nodes)
+        if precision is not None and precision_instance is not None:
+            raise ValueError(f"precision={precision!r} and a Precision plugin {precision_instance!r} were both "
+                             "given; pass only one.")
+        precision_name = normalize_precision(precision if precision is not None else "32-true")
+        if isinstance(strategy, str):
+            strategy = strategy.lower()
+            if strategy != "auto" and strategy not in STRATEGIES:
+                raise ValueError(f"strategy={strategy!r} is not supported; expected 'auto', one of "
+                                 f"{sorted(STRATEGIES)} or a Strategy instance.")
+        elif not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy={strategy!r} ({type(strategy).__name__}) is not valid; expected a name "
+                            f"such as 'ddp' or a Strategy instance.")
+        if strategy == "horovod" and importlib.util.find_spec("horovod") is None:
+            raise ValueError(f"strategy='horovod' needs the horovod package, which is not installed: {HOROVOD_RECIPE}.")
+
+        self.accelerator = self._resolve_accelerator(accelerator, strategy)
+        env = forced_env or (strategy.cluster_environment if isinstance(strategy, Strategy) else None)
+        self.cluster_environment: ClusterEnvironment = detect_environment(env)
+        self.num_processes, parallel_devices = self._resolve_devices(devices)
+        self.precision: Precision = precision_instance or precision_plugin(
+            precision_name, parallel_devices[0].type)
+        self.strategy = self._resolve_strategy(strategy, parallel_devices)
+
+    # ------------------------------------------------------------------ accelerator
+    def _resolve_accelerator(self, accelerator: Any, strategy: Any) -> Accelerator:
+        if isinstance(accelerator, Accelerator):
+            return accelerator
+        if not isinstance(accelerator, str):
+            raise TypeError(f"accelerator={accelerator!r} ({type(accelerator).__name__}) is not valid; expected "
+                            f"'auto', one of {sorted(ACCELERATORS)} or an Accelerator instance.")
+        name = accelerator.lower()
+        if name == "auto":
+            name = "tpu" if strategy in ("xla", "single_xla") else _auto_accelerator()
+        if name not in ACCELERATORS:
+            raise ValueError(f"accelerator={accelerator!r} is not supported; expected 'auto' or one of "
+                             f"{sorted(ACCELERATORS)}.")
+        if name in ("cuda", "gpu"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"accelerator={accelerator!r} but no CUDA GPU is available (torch "
+                                 f"{torch.__version__}, torch.cuda.is_available() is False). Use accelerator='cpu' "
+                                 "or 'auto', or run on a machine with a GPU and a CUDA build of torch.")
+        if name == "tpu" and importlib.util.find_spec("torch_xla") is None:
+            raise ValueError(f"accelerator={accelerator!r} needs torch_xla, which is not installed: {XLA_RECIPE}.")
+        cls = accelerator_class(name)
+        if name == "mps" and not cls.is_available():
+            raise ValueError("accelerator='mps' but MPS is not available on this machine; use 'cpu' or 'auto'.")
+        return cls()
+
+    # ------------------------------------------------------------------ devices
+    def _resolve_devices(self, devices: Any) -> tuple:
+        env = self.cluster_environment
+        external = env.creates_processes_externally
+        if isinstance(devices, str) and devices.strip().lower() == "auto":
+            if external:
+                per_node = env.local_world_size()
+                if per_node is None:
+                    nodes = env.num_nodes() or self.num_nodes
+                    per_node = max(1, env.world_size() // nodes)
+                parsed = self.accelerator.parse_devices(per_node)
+                if isinstance(parsed, list):  # one GPU per local rank, chosen by local rank
+                    parsed = list(range(per_node))
+            else:
+                parsed = self.accelerator.parse_devices(self.accelerator.auto_device_count() or 1)
+        else:
+            parsed = self.accelerator.parse_devices(devices)
+        parallel_devices = self.accelerator.get_parallel_devices(parsed)
+        count = len(parallel_devices)
+        if external:
+            if not self.num_nodes_given and env.num_nodes():
+                self.num_nodes = env.num_nodes()
+            elif not self.num_nodes_given:
+                self.num_nodes = max(1, env.world_size() // count)
+            env.validate(count, self.num_nodes)
+        else:
+            env.set_world_size(count * self.num_nodes)
+            env.set_global_rank(env.node_rank() * count + env.local_rank())
+            if env.node_rank() >= self.num_nodes:
+                raise ValueError(f"node rank {env.node_rank()} (NODE_RANK / --node-rank) is out of range for "
+                                 f"num_nodes={self.num_nodes}; expected 0..{self.num_nodes - 1}.")
+        return count, parallel_devices
+
+    # ------------------------------------------------------------------ strategy
+    def _resolve_strategy(self, strategy: Any, parallel_devices: list) -> Strategy:
+        world = self.num_processes * self.num_nodes
+        env = self.cluster_environment
+        if env.creates_processes_externally:
+            world = env.world_size()
+        if strategy == "auto":
+            if getattr(self.accelerator, "name", "") in ("tpu", "xla"):
+                strategy = "xla" if world > 1 else "single_xla"
+            else:
+                strategy = "ddp" if world > 1 else "single_device"
+        if isinstance(strategy, str):
+            if strategy == "ddp" and _interactive() and not env.creates_processes_externally:
+                raise ValueError("strategy='ddp' re-runs the script in new processes and cannot start from an "
+                                 "interactive session (a notebook or REPL); use strategy='ddp_notebook'.")
+            kwargs: dict = {}
+            if strategy == "single_device":
+                if world > 1:
+                    raise ValueError(f"strategy='single_device' runs one process, but devices={self.num_processes} "
+                                     f"and num_nodes={self.num_nodes} ask for {world}; use strategy='ddp'.")
+                kwargs["device"] = parallel_devices[0]
+            elif strategy.startswith("ddp"):
+                kwargs["parallel_devices"] = parallel_devices
+            strategy = create_strategy(strategy, **kwargs)
+        if strategy.accelerator is None:
+            strategy.accelerator = self.accelerator
+        if strategy.cluster_environment is None or env is not strategy.cluster_environment:
+            strategy.cluster_environment = env
+        strategy.precision = self.precision
+        if isinstance(strategy, DDPStrategy):
+            strategy.parallel_devices = strategy.parallel_devices or parallel_devices
+            strategy.num_nodes = self.num_nodes
+        elif isinstance(strategy, SingleDeviceStrategy):
+            strategy.set_device(parallel_devices[0])
+        return strategy
+
+
+def _auto_accelerator() -> str:
+    """A TPU through torch_xla, then cuda, then mps, then cpu."""
+    if importlib.util.find_spec("torch_xla") is not None and accelerator_class("tpu").is_available():
+        return "tpu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if accelerator_class("mps").is_available():
+        return "mps"
+    return "cpu"
+
+
+def _check_num_nodes(num_nodes: Any) -> int:
+    if num_nodes is None:
+        return 1
+    if isinstance(num_nodes, str) and num_nodes.strip().isdigit():
+        num_nodes = int(num_nodes)
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int):
+        raise TypeError(f"num_nodes={num_nodes!r} ({type(num_nodes).__name__}) must be an int >= 1.")
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1 (the number of machines).")
+    return num_nodes
+
+
+def _split_plugins(plugins: Any) -> tuple:
+    if plugins is None:
+        return None, None
+    items: Iterable[Any] = plugins if isinstance(plugins, (list, tuple)) else [plugins]
+    env = precision = None
+    for plugin in items:
+        if isinstance(plugin, ClusterEnvironment):
+            if env is not None:
+                raise ValueError(f"plugins has two cluster environments, {env!r} and {plugin!r}; pass one.")
+            env = plugin
+        elif isinstance(plugin, Precision):
+            if precision is not None:
+                raise ValueError(f"plugins has two precision plugins, {precision!r} and {plugin!r}; pass one.")
+            precision = plugin
+        else:
+            raise TypeError(f"plugins: {plugin!r} ({type(plugin).__name__}) is not supported; expected a "
+                            "ClusterEnvironment or a Precision plugin.")
+    return env, precision
+
+
+def _from_cli(name: str, value: Any, default: Any) -> Any:
+    """A `fabriclite run` flag fills an argument the code left at its default; a different explicit
+    value is a conflict."""
+    raw = os.environ.get(CLI_ENV[name])
+    if raw is None:
+        return value
+    cli: Any = raw
+    if name == "num_nodes":
+        cli = int(raw)
+    if _is_default(value, default):
+        return cli
+    if str(value).lower().replace(" ", "") != str(cli).lower().replace(" ", ""):
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"Fabric({name}={value!r}) conflicts with `fabriclite run {flag} {raw}`; pass the value "
+                         "in one place only.")
+    return value
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if default is None:
+        return value is None
+    return isinstance(value, str) and value.lower() == default
+
+
+def _interactive() -> bool:
+    import __main__
+
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or not hasattr(__main__, "__file__") and \
+        "-c" not in getattr(sys, "orig_argv", [])

@@ -1,0 +1,69 @@
+"""Script mode (torchrun-style): the launching process becomes a small supervisor that re-runs the
+script once per local rank and exits with the job's exit code.
+
+Code above ``fabric.launch()`` therefore runs once in the supervisor too, and once in every rank.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence
+
+from fabriclite.launchers.base import Launcher
+from fabriclite.launchers.child import die_with_parent
+from fabriclite.launchers.output import OutputOptions
+from fabriclite.launchers.supervisor import Layout, Supervisor, print_summary
+
+
+class PopenWorker:
+    """A rank in its own process (and process group); dies with its supervisor."""
+
+    def __init__(self, command: Sequence[str], env: Dict[str, str], output: OutputOptions, global_rank: int) -> None:
+        parent = os.getpid()
+        self.process = subprocess.Popen(
+            list(command), env={**os.environ, **env}, start_new_session=True,
+            preexec_fn=lambda: die_with_parent(parent), **output.popen_kwargs(),
+        )
+        output.attach(global_rank, self.process)
+        self.pid = self.process.pid
+
+    def poll(self) -> Optional[int]:
+        return self.process.poll()
+
+
+def script_command() -> List[str]:
+    """The command that started this Python process (interpreter flags, ``-m``, ``-c`` kept)."""
+    argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    return [sys.executable, *argv[1:]]
+
+
+def run_supervised(command: Sequence[str], layout: Layout, main_address: str, main_port: int,
+                   timeout: timedelta, output: Optional[OutputOptions] = None,
+                   extra_env: Optional[Dict[str, str]] = None) -> int:
+    """Start ``command`` once per local rank under a Supervisor (each rank's environment gets
+    ``extra_env`` too); print its summary; return the exit code."""
+    supervisor = Supervisor(layout, main_address, main_port, timeout, output, extra_env=extra_env)
+    code = supervisor.run(lambda local_rank, env: PopenWorker(command, env, supervisor.output,
+                                                              layout.global_rank(local_rank)))
+    print_summary(supervisor.summary)
+    return code
+
+
+class SubprocessScriptLauncher(Launcher):
+    """Re-runs the current script for every local rank; the calling process only supervises."""
+
+    def __init__(self, cluster_environment: Any, num_processes: int, num_nodes: int, timeout: timedelta) -> None:
+        self.cluster_environment = cluster_environment
+        self.num_processes = num_processes
+        self.num_nodes = num_nodes
+        self.timeout = timeout
+
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> NoReturn:
+        env = self.cluster_environment
+        layout = Layout(self.num_nodes, env.node_rank(), self.num_processes)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        code = run_supervised(script_command(), layout, env.main_address, env.main_port, self.timeout)
+        raise SystemExit(code)

@@ -1,0 +1,170 @@
+"""Precision plugins: 32-true, 64-true, 16-mixed, bf16-mixed, 16-true, bf16-true.
+
+A plugin converts the module (``*-true``), opens the autocast context (``*-mixed``), and runs
+backward / optimizer steps (gradient scaling for 16-mixed on cuda).
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager, nullcontext
+from typing import Any, ContextManager, Dict, Iterator, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+#: user-facing values and aliases -> canonical name
+PRECISION_ALIASES: Dict[Any, str] = {
+    "32-true": "32-true", "32": "32-true", 32: "32-true",
+    "64-true": "64-true", "64": "64-true", 64: "64-true",
+    "16-mixed": "16-mixed", "16": "16-mixed", 16: "16-mixed",
+    "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed",
+    "16-true": "16-true",
+    "bf16-true": "bf16-true",
+}
+_VALID = '"32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true" (aliases 32, 64, 16, "bf16")'
+
+
+def normalize_precision(precision: Any) -> str:
+    """The canonical name of ``precision``; ValueError naming the value and the valid ones."""
+    if isinstance(precision, bool):
+        raise TypeError(f"precision={precision!r} is not valid; expected one of {_VALID}.")
+    key = precision.lower() if isinstance(precision, str) else precision
+    try:
+        return PRECISION_ALIASES[key]
+    except (KeyError, TypeError):
+        raise ValueError(f"precision={precision!r} is not supported; expected one of {_VALID}.") from None
+
+
+class Precision:
+    """Full 32-bit precision; the base for the others."""
+
+    name = "32-true"
+    #: dtype that parameters are converted to (None: left as they are)
+    param_dtype: Optional[torch.dtype] = None
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(dtype=self.param_dtype) if self.param_dtype is not None else module
+
+    def convert_input(self, data: Any) -> Any:
+        """Float tensors in ``data`` cast to ``param_dtype`` (true modes); others unchanged."""
+        if self.param_dtype is None:
+            return data
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        dtype = self.param_dtype
+        return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+    def convert_output(self, data: Any) -> Any:
+        return data
+
+    def forward_context(self) -> ContextManager:
+        return nullcontext()
+
+    def module_init_context(self) -> ContextManager:
+        return _default_dtype(self.param_dtype) if self.param_dtype is not None else nullcontext()
+
+    def tensor_init_context(self) -> ContextManager:
+        return self.module_init_context()
+
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        tensor.backward(*args, **kwargs)
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Undo loss scaling on ``optimizer``'s gradients (no-op without a scaler)."""
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        return optimizer.step(**kwargs)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class DoublePrecision(Precision):
+    name = "64-true"
+    param_dtype = torch.float64
+
+
+class HalfPrecision(Precision):
+    """16-true / bf16-true: parameters, inputs and new tensors in that dtype."""
+
+    def __init__(self, precision: str = "16-true") -> None:
+        self.name = precision
+        self.param_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+
+
+class MixedPrecision(Precision):
+    """16-mixed / bf16-mixed: autocast in forward; a GradScaler for 16-mixed on cuda."""
+
+    def __init__(self, precision: str, device: str, scaler: Optional["torch.amp.GradScaler"] = None) -> None:
+        if precision == "16-mixed" and device == "cpu":
+            warnings.warn("precision='16-mixed' is not supported on CPU; using 'bf16-mixed' instead.", stacklevel=2)
+            precision = "bf16-mixed"
+        self.name = precision
+        self.device = device
+        self.dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
+        if scaler is None and precision == "16-mixed" and device == "cuda":
+            scaler = torch.amp.GradScaler("cuda")
+        self.scaler = scaler
+
+    def forward_context(self) -> ContextManager:
+        return torch.autocast(self.device, dtype=self.dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        default = torch.get_default_dtype()
+        return apply_to_collection(data, Tensor, lambda t: t.to(default) if t.is_floating_point() else t)
+
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        tensor.backward(*args, **kwargs)
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return optimizer.step(**kwargs)
+        if "closure" in kwargs and kwargs["closure"] is not None:
+            raise ValueError("precision='16-mixed' with a GradScaler does not support optimizer.step(closure).")
+        result = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return result
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+def precision_plugin(precision: Union[str, int], device_type: str) -> Precision:
+    """The plugin for a (canonical or alias) precision value on ``device_type`` ("cpu", "cuda", ...)."""
+    name = normalize_precision(precision)
+    if name == "32-true":
+        return Precision()
+    if name == "64-true":
+        return DoublePrecision()
+    if name in ("16-true", "bf16-true"):
+        return HalfPrecision(name)
+    return MixedPrecision(name, "cuda" if device_type == "cuda" else "cpu")
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,49 @@
+"""Strategies: how processes cooperate. Pick one by name through ``STRATEGIES``.
+
+Horovod and XLA strategies live in modules that import their backend only when used; importing
+this package never imports horovod or torch_xla.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict, Tuple, Type
+
+from fabriclite.strategies.base import Strategy
+from fabriclite.strategies.ddp import DDPStrategy
+from fabriclite.strategies.single_device import SingleDeviceStrategy
+
+#: strategy name -> ("module:Class", constructor keyword arguments)
+STRATEGIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "ddp": ("fabriclite.strategies.ddp:DDPStrategy", {"start_method": "popen"}),
+    "ddp_spawn": ("fabriclite.strategies.ddp:DDPStrategy", {"start_method": "spawn"}),
+    "ddp_fork": ("fabriclite.strategies.ddp:DDPStrategy", {"start_method": "fork"}),
+    "ddp_notebook": ("fabriclite.strategies.ddp:DDPStrategy", {"start_method": "fork"}),
+    "ddp_find_unused_parameters_true": (
+        "fabriclite.strategies.ddp:DDPStrategy", {"start_method": "popen", "find_unused_parameters": True}),
+    "single_device": ("fabriclite.strategies.single_device:SingleDeviceStrategy", {}),
+    "horovod": ("fabriclite.strategies.horovod:HorovodStrategy", {}),
+    "xla": ("fabriclite.strategies.xla:XLAStrategy", {}),
+    "single_xla": ("fabriclite.strategies.xla:SingleDeviceXLAStrategy", {}),
+}
+
+_LAZY = {"HorovodStrategy": "horovod", "XLAStrategy": "xla", "SingleDeviceXLAStrategy": "single_xla"}
+
+
+def strategy_class(name: str) -> Type[Strategy]:
+    """The class registered under ``name`` (a key of STRATEGIES)."""
+    module, _, cls = STRATEGIES[name][0].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def create_strategy(name: str, **kwargs: Any) -> Strategy:
+    """An instance of the strategy registered under ``name``."""
+    return strategy_class(name)(**{**STRATEGIES[name][1], **kwargs})
+
+
+def __getattr__(name: str) -> Any:  # lazy: `from fabriclite.strategies import HorovodStrategy`
+    if name in _LAZY:
+        return strategy_class(_LAZY[name])
+    raise AttributeError(f"module 'fabriclite.strategies' has no attribute {name!r}")
+
+
+__all__ = ["DDPStrategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "create_strategy", "strategy_class"]

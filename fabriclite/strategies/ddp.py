@@ -1,0 +1,221 @@
+"""DDP: one process per device, a torch.distributed process group (gloo on CPU, nccl on CUDA)."""
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any, ContextManager, Dict, List, Literal, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from fabriclite import rendezvous
+from fabriclite.strategies.base import Strategy
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "prod": dist.ReduceOp.PRODUCT,
+    "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR,
+    "bxor": dist.ReduceOp.BXOR,
+}
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class DDPStrategy(Strategy):
+    """Data-parallel over torch.distributed.
+
+    ``start_method``: "popen" re-runs the script once per local rank (script mode), "spawn"/"fork"
+    start ``launch(fn)``'s function in child processes. ``timeout``: argument > $FABRICLITE_TIMEOUT >
+    30 min; it bounds every collective (a timeout is fatal for the group). Extra keyword arguments go
+    to DistributedDataParallel (find_unused_parameters, static_graph, bucket_cap_mb, ...).
+    """
+
+    name = "ddp"
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: Optional[List[torch.device]] = None,
+        cluster_environment: Any = None,
+        precision: Any = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[None, float, timedelta] = None,
+        start_method: StartMethod = "popen",
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(accelerator=accelerator, precision=precision, cluster_environment=cluster_environment)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method={start_method!r}; expected 'popen', 'spawn', 'fork' or 'forkserver'.")
+        self.parallel_devices = parallel_devices
+        self.num_nodes = 1
+        self.process_group_backend = process_group_backend
+        self.timeout = rendezvous.resolve_timeout(timeout)
+        self.start_method = start_method
+        self.ddp_kwargs = ddp_kwargs
+        self._store: Optional[dist.Store] = None
+        self._groups: Dict[Tuple[int, ...], Any] = {}
+        self._owns_group = False
+
+    # ------------------------------------------------------------------ where this rank is
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices, "the connector sets parallel_devices"
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster_environment.world_size() if self.cluster_environment else 1
+
+    @property
+    def global_rank(self) -> int:
+        return self.cluster_environment.global_rank() if self.cluster_environment else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.cluster_environment.local_rank() if self.cluster_environment else 0
+
+    @property
+    def node_rank(self) -> int:
+        return self.cluster_environment.node_rank() if self.cluster_environment else 0
+
+    def local_world_size(self) -> int:
+        return self.num_processes
+
+    @property
+    def distributed_ready(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def store(self) -> Optional[dist.Store]:
+        return self._store
+
+    @property
+    def launcher(self) -> Any:
+        if self._launcher is None and self.cluster_environment is not None:
+            if not self.cluster_environment.creates_processes_externally:
+                from fabriclite.launchers import launcher_for
+
+                self._launcher = launcher_for(self.start_method, self.cluster_environment, self.num_processes,
+                                              self.num_nodes, self.timeout)
+        return self._launcher
+
+    # ------------------------------------------------------------------ set-up
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if not self.distributed_ready:
+            self._init_process_group()
+
+    def _backend(self) -> str:
+        if self.process_group_backend:
+            return self.process_group_backend
+        return "nccl" if self.root_device.type == "cuda" else "gloo"
+
+    def _init_process_group(self) -> None:
+        env = self.cluster_environment
+        rank, world = env.global_rank(), env.world_size()
+        address, port = env.main_address, env.main_port
+        if getattr(env, "uses_agent_store", False) or _torchelastic_agent_store():
+            store: dist.Store = rendezvous.join_store(address, port, self.timeout)
+            if _torchelastic_agent_store():
+                store = dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+        elif rank == 0:
+            store = rendezvous.host_store(address, port, self.timeout)
+        else:
+            store = rendezvous.join_store(address, port, self.timeout)
+        self._store = dist.PrefixStore(rendezvous.KEY_PREFIX, store)
+        rendezvous.wait_for_ranks(self._store, "arrived", rank, world, self.timeout)
+        backend = self._backend()
+        kwargs: Dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = self.root_device
+        dist.init_process_group(backend, store=dist.PrefixStore("pg/", store), rank=rank, world_size=world,
+                                timeout=self.timeout, **kwargs)
+        self._owns_group = True
+
+    def setup_module(self, module: nn.Module) -> DistributedDataParallel:
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, DistributedDataParallel):
+            raise TypeError(f"no_backward_sync needs the module returned by setup(); got {type(module).__name__}.")
+        return module.no_sync()
+
+    def teardown(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+        self._groups.clear()
+        self._store = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ primitives
+    def resolve_group(self, group: Any) -> Any:
+        if group is None or not isinstance(group, (list, tuple, range)):
+            return group
+        ranks = tuple(sorted(int(r) for r in group))
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad or not ranks or len(set(ranks)) != len(ranks):
+            raise ValueError(f"group={list(group)!r}: expected distinct ranks in 0..{self.world_size - 1}.")
+        if ranks not in self._groups:
+            self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        return self._groups[ranks]
+
+    def group_size(self, group: Any = None) -> int:
+        return dist.get_world_size(group)
+
+    def group_rank(self, group: Any = None) -> int:
+        return dist.get_rank(group)
+
+    def group_ranks(self, group: Any = None) -> List[int]:
+        if group is None:
+            return list(range(dist.get_world_size()))
+        return dist.get_process_group_ranks(group)
+
+    def all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
+        dist.all_reduce(tensor, op=_OPS[op], group=group)
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
+        out = tensor.new_empty((dist.get_world_size(group), *tensor.shape))
+        dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+        return out
+
+    def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
+        dist.broadcast(tensor, src, group=group)
+        return tensor
+
+    def all_gather_object(self, obj: Any, group: Any = None) -> List[Any]:
+        out: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0, group: Any = None) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=group, device=self._object_device())
+        return box[0]
+
+    def barrier(self, name: Optional[str] = None, group: Any = None) -> None:
+        if self._backend() == "nccl":
+            dist.barrier(group=group, device_ids=[self.root_device.index])
+        else:
+            dist.barrier(group=group)
+
+    def _object_device(self) -> Optional[torch.device]:
+        return self.root_device if self._backend() == "nccl" else None
+
+
+def _torchelastic_agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
