@@ -1,0 +1,145 @@
+"""SLURMEnvironment: ranks started by ``srun``."""
+
+import os
+import re
+from typing import List, Optional
+
+from fabriclite.environments._vars import first_set, parse_int, read_int, read_optional_int, read_port
+from fabriclite.environments.base import ClusterEnvironment
+from fabriclite.environments.hostlist import first_host
+
+#: Job names of an interactive SLURM shell (``srun --pty bash``, ``salloc``): its variables describe the shell.
+INTERACTIVE_JOB_NAMES = ("bash", "interactive")
+
+#: Where the node list is read from, most specific first (the step's nodes, then the job's).
+_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
+#: Where the number of tasks on each node is read from, most specific first.
+_TASKS_PER_NODE_VARS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+#: Where the number of nodes is read from, most specific first.
+_NUM_NODES_VARS = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+
+_TASKS_ENTRY = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+def parse_tasks_per_node(text: str) -> List[int]:
+    """SLURM's tasks-per-node notation, one entry per node: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``."""
+    counts: List[int] = []
+    for entry in text.split(","):
+        match = _TASKS_ENTRY.match(entry.strip())
+        if not match:
+            raise ValueError(
+                f"SLURM tasks-per-node value {text!r}: {entry!r} is not of the form N or N(xM)."
+            )
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+class SLURMEnvironment(ClusterEnvironment):
+    """Ranks started by ``srun`` (one process per SLURM task).
+
+    Detected when ``SLURM_NTASKS`` is set and ``SLURM_JOB_NAME`` is not "bash" or "interactive" (an interactive
+    shell's variables describe the shell, not the ranks: force this environment there if you start ranks with srun).
+
+    Reads ``SLURM_NTASKS`` (world), ``SLURM_PROCID`` (rank), ``SLURM_LOCALID`` (local rank), ``SLURM_NODEID`` (node
+    rank); ranks on this node from ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_NTASKS_PER_NODE`` /
+    ``SLURM_TASKS_PER_NODE`` (``"2(x3),1"`` notation); nodes from ``SLURM_STEP_NUM_NODES`` / ``SLURM_NNODES``.
+    Main address: ``MASTER_ADDR``, else the first host of ``SLURM_STEP_NODELIST`` / ``SLURM_NODELIST`` /
+    ``SLURM_JOB_NODELIST``. Main port: ``MASTER_PORT``, else ``15000 + int(last 4 digits of SLURM_JOB_ID)``
+    (as Lightning does), so every rank of a job agrees without talking and concurrent jobs rarely collide.
+    """
+
+    name = "slurm"
+
+    @classmethod
+    def detect(cls) -> bool:
+        return cls.not_detected_reason() is None
+
+    @classmethod
+    def not_detected_reason(cls) -> Optional[str]:
+        """Why :meth:`detect` is False (a sentence for the user), or None when it is True."""
+        if not os.environ.get("SLURM_NTASKS", "").strip():
+            return "SLURM_NTASKS is not set, so this process was not started by srun."
+        job_name = os.environ.get("SLURM_JOB_NAME", "").strip()
+        if job_name in INTERACTIVE_JOB_NAMES:
+            return (
+                f"SLURM_JOB_NAME={job_name!r} marks an interactive SLURM shell, whose variables describe the shell, "
+                f"not your ranks. If you start the ranks with srun from it, force the environment with "
+                f"plugins=[SLURMEnvironment()] or FABRICLITE_CLUSTER_ENVIRONMENT=slurm."
+            )
+        return None
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        if os.environ.get("MASTER_ADDR", "").strip():
+            return os.environ["MASTER_ADDR"].strip()
+        var = first_set(_NODELIST_VARS)
+        if var is None:
+            raise ValueError(
+                f"The slurm cluster environment needs the main address: set MASTER_ADDR, or run under srun so that "
+                f"one of {', '.join(_NODELIST_VARS)} is set."
+            )
+        return first_host(os.environ[var])
+
+    @property
+    def main_port(self) -> int:
+        if os.environ.get("MASTER_PORT", "").strip():
+            return read_port("MASTER_PORT", self.name)
+        job_id = os.environ.get("SLURM_JOB_ID", "").strip()
+        if not job_id:
+            raise ValueError(
+                "The slurm cluster environment needs a port: set MASTER_PORT, or SLURM_JOB_ID to derive one from."
+            )
+        return 15000 + parse_int("SLURM_JOB_ID", job_id[-4:], self.name)
+
+    def world_size(self) -> int:
+        return read_int("SLURM_NTASKS", self.name, minimum=1)
+
+    def global_rank(self) -> int:
+        return read_int("SLURM_PROCID", self.name)
+
+    def local_rank(self) -> int:
+        return read_int("SLURM_LOCALID", self.name)
+
+    def node_rank(self) -> int:
+        return read_int("SLURM_NODEID", self.name)
+
+    def local_world_size(self) -> Optional[int]:
+        var = first_set(_TASKS_PER_NODE_VARS)
+        if var is None:
+            return None
+        counts = parse_tasks_per_node(os.environ[var])
+        if len(counts) == 1:
+            return counts[0]
+        node = self.node_rank()
+        if node >= len(counts):
+            raise ValueError(
+                f"The slurm cluster environment read {var}={os.environ[var]!r} ({len(counts)} nodes), "
+                f"but SLURM_NODEID={node}."
+            )
+        return counts[node]
+
+    def num_nodes(self) -> Optional[int]:
+        var = first_set(_NUM_NODES_VARS)
+        return None if var is None else read_optional_int(var, self.name, minimum=1)
+
+    @staticmethod
+    def job_name() -> Optional[str]:
+        """``SLURM_JOB_NAME``, or None."""
+        return os.environ.get("SLURM_JOB_NAME")
+
+    @staticmethod
+    def job_id() -> Optional[int]:
+        """``SLURM_JOB_ID`` as an int; None when unset, not a number, or in an interactive shell (Lightning's rule)."""
+        if os.environ.get("SLURM_JOB_NAME", "").strip() in INTERACTIVE_JOB_NAMES:
+            return None
+        raw = os.environ.get("SLURM_JOB_ID", "").strip()
+        return int(raw) if raw.isdigit() else None
+
+    @staticmethod
+    def resolve_root_node_address(nodes: str) -> str:
+        """The first host of a SLURM hostlist expression (Lightning's name for :func:`first_host`)."""
+        return first_host(nodes)
