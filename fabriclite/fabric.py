@@ -5,15 +5,23 @@ from __future__ import annotations
 import atexit
 import os
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Generator, List, Optional, Union
+from typing import Any, Callable, ContextManager, Dict, Generator, List, Mapping, Optional, Union
 
 import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 
-from fabriclite import collectives
+from fabriclite import checkpoint, collectives, wrappers
 from fabriclite.accelerators import Accelerator
+from fabriclite.callbacks import as_callback_list, call_hook
 from fabriclite.connector import Connector
+from fabriclite.data import gather_eval as _gather_eval
+from fabriclite.data import setup_dataloader as _setup_dataloader
 from fabriclite.launchers.child import ERROR_FILE_ENV, record_errors
+from fabriclite.seed import seed_everything as _seed_everything
 from fabriclite.strategies import Strategy
+from fabriclite.wrappers import FabricDataLoader, FabricModule, FabricOptimizer
 
 
 class Fabric:
@@ -41,9 +49,10 @@ class Fabric:
         self._strategy: Strategy = self._connector.strategy
         self._accelerator: Accelerator = self._connector.accelerator
         self._precision = self._connector.precision
-        self._callbacks = _as_list(callbacks)
+        self._callbacks = as_callback_list(callbacks)
         self._loggers = _as_list(loggers)
         self._launched = False
+        self._bind_loggers()
 
     # ------------------------------------------------------------------ rank facts
     @property
@@ -128,6 +137,7 @@ class Fabric:
             record_errors()
         self._strategy.setup_environment()
         self._launched = True
+        self._bind_loggers()
         if register_atexit:
             atexit.register(self._teardown)
 
@@ -137,6 +147,162 @@ class Fabric:
             if finalize is not None:
                 finalize("success")
         self._strategy.teardown()
+
+    # ------------------------------------------------------------------ training set-up
+    def setup(self, module: nn.Module, *optimizers: Optimizer, scheduler: Optional[Any] = None,
+              move_to_device: bool = True, _reapply_compile: bool = True) -> Any:
+        """The wrapped module, or ``(module, *optimizers[, scheduler])`` (see fabriclite.wrappers.setup_module)."""
+        self._check_launched("setup")
+        wrapped, opts = wrappers.setup_module(self._strategy, module, optimizers, move_to_device, self._callbacks)
+        self.call("on_after_setup", fabric=self, module=wrapped)
+        if not opts:
+            return wrapped
+        return (wrapped, *opts, scheduler) if scheduler is not None else (wrapped, *opts)
+
+    def setup_module(self, module: nn.Module, move_to_device: bool = True,
+                     _reapply_compile: bool = True) -> FabricModule:
+        """``module`` wrapped for the strategy and precision, without optimizers."""
+        self._check_launched("setup_module")
+        wrapped, _ = wrappers.setup_module(self._strategy, module, (), move_to_device, self._callbacks)
+        self.call("on_after_setup", fabric=self, module=wrapped)
+        return wrapped
+
+    def setup_optimizers(self, *optimizers: Optimizer) -> Any:
+        """The wrapped optimizer, or a tuple of them for several."""
+        self._check_launched("setup_optimizers")
+        wrapped = wrappers.setup_optimizers(self._strategy, optimizers, self._callbacks)
+        return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+    def setup_dataloaders(self, *dataloaders: DataLoader, use_distributed_sampler: bool = True,
+                          move_to_device: bool = True) -> Any:
+        """Each loader sharded across ranks and moving batches to the device (see fabriclite.data)."""
+        self._check_launched("setup_dataloaders")
+        if not dataloaders:
+            raise ValueError("setup_dataloaders() needs at least one DataLoader.")
+        out = [_setup_dataloader(dl, self._strategy, use_distributed_sampler, move_to_device)
+               for dl in dataloaders]
+        return out[0] if len(out) == 1 else out
+
+    # ------------------------------------------------------------------ training steps
+    def backward(self, tensor: Tensor, *args: Any, model: Optional[FabricModule] = None, **kwargs: Any) -> None:
+        """``tensor.backward(*args, **kwargs)`` through the strategy and precision (loss scaling)."""
+        module = model._forward_module if isinstance(model, FabricModule) else model
+        self._strategy.backward(tensor, module, *args, **kwargs)
+
+    def clip_gradients(self, module: Union[nn.Module, FabricModule], optimizer: Union[Optimizer, FabricOptimizer],
+                       clip_val: Optional[float] = None, max_norm: Optional[float] = None,
+                       norm_type: float = 2.0, error_if_nonfinite: bool = True) -> Optional[Tensor]:
+        """Clip by value (``clip_val``) or total norm (``max_norm``, returns the norm before clipping)."""
+        if (clip_val is None) == (max_norm is None):
+            raise ValueError(f"clip_gradients(clip_val={clip_val!r}, max_norm={max_norm!r}): give exactly one of "
+                             "clip_val (clip each gradient value) or max_norm (clip the total norm).")
+        module, optimizer = wrappers.unwrap(module), wrappers.unwrap(optimizer)
+        if clip_val is not None:
+            self._strategy.clip_gradients_value(module, optimizer, clip_val=clip_val)
+            return None
+        return self._strategy.clip_gradients_norm(module, optimizer, max_norm=max_norm, norm_type=norm_type,
+                                                  error_if_nonfinite=error_if_nonfinite)
+
+    def autocast(self) -> ContextManager:
+        """The precision's forward context (autocast for mixed precision) for code outside the model."""
+        return self._precision.forward_context()
+
+    def no_backward_sync(self, module: FabricModule, enabled: bool = True) -> ContextManager:
+        """Skip gradient synchronisation for forward+backward inside the block (gradient accumulation)."""
+        if not isinstance(wrappers._unwrap_compiled(module), FabricModule):
+            raise TypeError("no_backward_sync(module) needs the module returned by fabric.setup(); got "
+                            f"{type(module).__name__}. Call `model = fabric.setup(model, ...)` first.")
+        return self._strategy.no_backward_sync(wrappers.unwrap(module), enabled)
+
+    def to_device(self, obj: Any) -> Any:
+        """A module moved to this rank's device (in place), or a (nested) collection of tensors copied there."""
+        if isinstance(obj, nn.Module):
+            return self._strategy.module_to_device(obj)
+        return self._strategy.batch_to_device(obj)
+
+    def init_module(self, empty_init: Optional[bool] = None) -> ContextManager:
+        """Build modules on the device, in the precision's dtype (skip initialisers with ``empty_init``)."""
+        self._check_launched("init_module")
+        return self._strategy.module_init_context(empty_init=empty_init)
+
+    def init_tensor(self) -> ContextManager:
+        """Create tensors on the device, in the precision's dtype."""
+        return self._strategy.tensor_init_context()
+
+    @staticmethod
+    def seed_everything(seed: Optional[int] = None, workers: Optional[bool] = None, verbose: bool = True) -> int:
+        """Seed python / numpy / torch and the DataLoader workers (see fabriclite.seed.seed_everything)."""
+        return _seed_everything(seed, workers=True if workers is None else workers, verbose=verbose)
+
+    def progress_bar(self, iterable: Optional[Any] = None, **kwargs: Any) -> Any:
+        """A tqdm bar on global rank 0, a silent pass-through elsewhere (see fabriclite.progress)."""
+        from fabriclite.progress import progress_bar
+
+        return progress_bar(iterable, enabled=self.is_global_zero, **kwargs)
+
+    def gather_eval(self, data: Any, dataloader: Any) -> Any:
+        """Per-sample results of one eval pass from every rank, each sample once (see fabriclite.data)."""
+        return _gather_eval(self._strategy, data, dataloader)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: Union[str, "os.PathLike[str]"], state: Dict[str, Any],
+             filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """Write ``state`` to ``path`` on global rank 0, atomically; every rank returns when it is complete."""
+        checkpoint.check_filter(state, filter)
+        self._strategy.save_checkpoint(path, wrappers.unwrap(state, loaders=False), filter=filter)
+
+    def load(self, path: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
+             strict: bool = True, *, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Restore ``state`` in place from ``path``; returns what was not restored (all of it without state)."""
+        unwrapped = wrappers.unwrap(state, loaders=False)
+        remainder = self._strategy.load_checkpoint(path, unwrapped, strict=strict, weights_only=weights_only)
+        if state is not None:
+            for key, value in unwrapped.items():
+                if not isinstance(state[key], (FabricModule, FabricOptimizer, FabricDataLoader)):
+                    state[key] = value
+        return remainder
+
+    def load_raw(self, path: Union[str, "os.PathLike[str]"], obj: Union[nn.Module, Optimizer], strict: bool = True,
+                 *, weights_only: Optional[bool] = None) -> None:
+        """Load a bare state_dict file (made without Fabric) into a module or optimizer."""
+        checkpoint.load_raw(self._strategy, path, wrappers.unwrap(obj), strict=strict, weights_only=weights_only)
+
+    # ------------------------------------------------------------------ callbacks and loggers
+    def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
+        """Call ``hook_name`` on every callback that has it (see fabriclite.callbacks.call_hook)."""
+        call_hook(self._callbacks, hook_name, *args, **kwargs)
+
+    @property
+    def loggers(self) -> List[Any]:
+        return self._loggers
+
+    @property
+    def logger(self) -> Any:
+        """The first logger (IndexError-free: None when there is none)."""
+        return self._loggers[0] if self._loggers else None
+
+    def log(self, name: str, value: Any, step: Optional[int] = None) -> None:
+        """Log one scalar to every logger, on global rank 0 only."""
+        self.log_dict({name: value}, step=step)
+
+    def log_dict(self, metrics: Mapping[str, Any], step: Optional[int] = None) -> None:
+        """Log scalars (tensors become numbers) to every logger, on global rank 0 only."""
+        if not self.is_global_zero or not self._loggers:
+            return
+        metrics = {k: v.item() if isinstance(v, Tensor) else v for k, v in metrics.items()}
+        for logger in self._loggers:
+            logger.log_metrics(metrics=metrics, step=step)
+
+    def _bind_loggers(self) -> None:
+        rank = self._strategy.global_rank
+        for logger in self._loggers:
+            if callable(getattr(logger, "bind_rank", None)):
+                logger.bind_rank(rank)
+
+    def _check_launched(self, what: str) -> None:
+        if not self._launched and self._strategy.launcher is not None:
+            raise RuntimeError(f"fabric.{what}() with strategy={self._strategy.name!r} needs the processes started: "
+                               "call fabric.launch() first (or run the script with `fabriclite run`).")
 
     # ------------------------------------------------------------------ printing and collectives
     def print(self, *args: Any, **kwargs: Any) -> None:

@@ -37,11 +37,20 @@ def normalize_precision(precision: Any) -> str:
 
 
 class Precision:
-    """Full 32-bit precision; the base for the others."""
+    """Full 32-bit precision; the base for the others.
+
+    Hooks (every plugin): ``convert_module`` (once, in setup), ``convert_input`` / ``forward_context`` /
+    ``convert_output`` (around every forward of a set-up module), ``module_init_context`` /
+    ``tensor_init_context`` (``fabric.init_module()`` / ``init_tensor()``), ``backward``,
+    ``unscale_gradients`` (before clipping), ``optimizer_step``, ``state_dict`` / ``load_state_dict``.
+    """
 
     name = "32-true"
     #: dtype that parameters are converted to (None: left as they are)
     param_dtype: Optional[torch.dtype] = None
+    #: True when ``loss.backward()`` would be wrong (the loss must be scaled): set-up modules then make
+    #: ``loss.backward()`` raise and ask for ``fabric.backward(loss)``
+    requires_fabric_backward: bool = False
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module.to(dtype=self.param_dtype) if self.param_dtype is not None else module
@@ -59,7 +68,8 @@ class Precision:
         return data
 
     def forward_context(self) -> ContextManager:
-        return nullcontext()
+        """Around every forward: autocast (mixed) or the parameter dtype as default dtype (true modes)."""
+        return _default_dtype(self.param_dtype) if self.param_dtype is not None else nullcontext()
 
     def module_init_context(self) -> ContextManager:
         return _default_dtype(self.param_dtype) if self.param_dtype is not None else nullcontext()
@@ -69,6 +79,16 @@ class Precision:
 
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         tensor.backward(*args, **kwargs)
+
+    def guard_backward(self, tensor: Tensor) -> None:
+        """Make ``tensor.backward()`` outside ``self.backward`` raise (for plugins that scale the loss)."""
+        if tensor.requires_grad:
+            tensor.register_hook(self._check_in_backward)
+
+    def _check_in_backward(self, grad: Tensor) -> None:
+        if not getattr(self, "_in_backward", False):
+            raise RuntimeError(f"precision={self.name!r} scales the loss: call `fabric.backward(loss)` instead of "
+                               "`loss.backward()`.")
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Undo loss scaling on ``optimizer``'s gradients (no-op without a scaler)."""
@@ -112,6 +132,8 @@ class MixedPrecision(Precision):
         if scaler is None and precision == "16-mixed" and device == "cuda":
             scaler = torch.amp.GradScaler("cuda")
         self.scaler = scaler
+        self.requires_fabric_backward = scaler is not None
+        self._in_backward = False
 
     def forward_context(self) -> ContextManager:
         return torch.autocast(self.device, dtype=self.dtype)
@@ -123,9 +145,14 @@ class MixedPrecision(Precision):
         return apply_to_collection(data, Tensor, lambda t: t.to(default) if t.is_floating_point() else t)
 
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
-        if self.scaler is not None:
-            tensor = self.scaler.scale(tensor)
-        tensor.backward(*args, **kwargs)
+        if self.scaler is None:
+            tensor.backward(*args, **kwargs)
+            return
+        self._in_backward = True
+        try:
+            self.scaler.scale(tensor).backward(*args, **kwargs)
+        finally:
+            self._in_backward = False
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         if self.scaler is not None:

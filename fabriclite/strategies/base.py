@@ -14,12 +14,22 @@ Primitive contract (every strategy):
   (same shape and dtype on every rank).
 - ``all_gather_object(obj, group)`` -> list in group-rank order; ``broadcast_object(obj, src, group)``.
 - ``barrier(name, group)``.
+
+Training hooks (defaults here suit any strategy whose ranks hold full replicas; override what differs):
+``setup_module`` / ``setup_optimizer`` / ``setup_module_and_optimizers``, ``module_to_device``,
+``batch_to_device``, ``backward``, ``optimizer_step``, ``no_backward_sync``, ``clip_gradients_norm`` /
+``clip_gradients_value``, ``module_init_context`` / ``tensor_init_context``, ``distributed_sampler_kwargs``,
+``process_dataloader``, and checkpoints: ``save_checkpoint`` / ``load_checkpoint`` (atomic single file,
+written by global rank 0, see ``fabriclite.checkpoint``) built on ``get_module_state_dict`` /
+``load_module_state_dict`` / ``get_optimizer_state``.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import os
+import warnings
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, ContextManager, FrozenSet, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -114,8 +124,24 @@ class Strategy(ABC):
         device = device or self.root_device
         return apply_to_collection(batch, Tensor, lambda t: t.to(device, non_blocking=True))
 
-    def module_init_context(self) -> ContextManager:
-        return self.precision.module_init_context()
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer]
+                                    ) -> Tuple[nn.Module, List[Optimizer]]:
+        """Wrap ``module`` (already on the device) and its optimizers together; strategies that must see
+        both at once (XLA, sharded ones) override this. Default: ``setup_module`` + ``setup_optimizer``."""
+        return self.setup_module(module), [self.setup_optimizer(opt) for opt in optimizers]
+
+    def module_init_context(self, empty_init: Optional[bool] = None) -> ContextManager:
+        """Modules built inside get their parameters on this rank's device, in the precision's dtype, and
+        with ``empty_init=True`` without running the parameter initialisers (for loading a checkpoint)."""
+        from fabriclite.init import module_init_context
+
+        return module_init_context(self.root_device, self.precision.module_init_context(), bool(empty_init))
+
+    def tensor_init_context(self) -> ContextManager:
+        """Tensors created inside land on this rank's device, in the precision's dtype."""
+        from fabriclite.init import module_init_context
+
+        return module_init_context(self.root_device, self.precision.tensor_init_context(), False)
 
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         self.precision.backward(tensor, module, *args, **kwargs)
@@ -124,8 +150,71 @@ class Strategy(ABC):
         return self.precision.optimizer_step(optimizer, **kwargs)
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
-        """Skip gradient synchronisation inside the block; a no-op for one process."""
+        """Skip gradient synchronisation for backward calls inside the block (``module`` is the strategy's
+        wrapper from ``setup_module``). Silently a no-op for one process; strategies that synchronise but
+        cannot skip it warn and run the block with synchronisation."""
+        if enabled and self.world_size > 1:
+            warnings.warn(f"{type(self).__name__} cannot skip gradient synchronisation; no_backward_sync() has no "
+                          "effect (gradients are still synchronised every backward).", stacklevel=3)
         return nullcontext()
+
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float,
+                            norm_type: float = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        """Scale ``optimizer``'s gradients (unscaled first under AMP) so that their total ``norm_type``-norm
+        is at most ``max_norm``; returns the norm before clipping. RuntimeError for a non-finite norm when
+        ``error_if_nonfinite``."""
+        self.precision.unscale_gradients(optimizer)
+        return torch.nn.utils.clip_grad_norm_(_params(optimizer), max_norm=max_norm, norm_type=norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
+        """Clamp every gradient of ``optimizer`` (unscaled first under AMP) to ``[-clip_val, clip_val]``."""
+        self.precision.unscale_gradients(optimizer)
+        torch.nn.utils.clip_grad_value_(_params(optimizer), clip_value=clip_val)
+
+    # ------------------------------------------------------------------ data
+    @property
+    def distributed_sampler_kwargs(self) -> Optional[Dict[str, int]]:
+        """``num_replicas`` / ``rank`` for the DistributedSampler that ``setup_dataloaders`` puts in place;
+        None: the strategy does not shard data (one process)."""
+        return None
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Last say over a loader in ``setup_dataloaders`` (XLA wraps it in a device loader); default: as is."""
+        return dataloader
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: Union[str, "os.PathLike[str]"], state: Dict[str, Any],
+                        filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """Write ``state`` (modules / optimizers / stateful objects stored as their state_dicts, ``filter``
+        applied) to ``path``. Called on every rank; global rank 0 writes atomically, and every rank returns
+        only when the file is complete (each raises if the write failed). See ``fabriclite.checkpoint``."""
+        from fabriclite import checkpoint
+
+        checkpoint.save(self, path, state, filter)
+
+    def load_checkpoint(self, path: Union[str, "os.PathLike[str]"], state: Any = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Read ``path`` on every rank and restore ``state`` in place (a dict of objects, one module, or one
+        optimizer); returns what was not restored (everything, when ``state`` is empty)."""
+        from fabriclite import checkpoint
+
+        return checkpoint.load(self, path, state, strict=strict, weights_only=weights_only)
+
+    def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
+        """``module``'s full state_dict as it should be saved (sharded strategies gather it)."""
+        return module.state_dict()
+
+    def load_module_state_dict(self, module: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> None:
+        module.load_state_dict(state_dict, strict=strict)
+
+    def get_optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        """``optimizer``'s state_dict as it should be saved (a sharded optimizer is consolidated; ranks
+        other than 0 then get ``{}``)."""
+        if hasattr(optimizer, "consolidate_state_dict"):
+            optimizer.consolidate_state_dict()
+            return optimizer.state_dict() if self.is_global_zero else {}
+        return optimizer.state_dict()
 
     def teardown(self) -> None:
         """Leave the group and release the device; safe to call twice."""
@@ -175,3 +264,7 @@ class Strategy(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(accelerator={self.accelerator!r}, precision={self.precision!r})"
+
+
+def _params(optimizer: Optimizer) -> Iterator[Tensor]:
+    return (p for group in optimizer.param_groups for p in group["params"])

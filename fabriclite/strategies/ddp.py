@@ -146,7 +146,21 @@ class DDPStrategy(Strategy):
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
 
+    def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
+        """The state_dict of the module under DDP (keys without the ``module.`` prefix)."""
+        return super().get_module_state_dict(module.module if isinstance(module, DistributedDataParallel) else module)
+
+    def load_module_state_dict(self, module: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> None:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        super().load_module_state_dict(module, state_dict, strict=strict)
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        """DDP's ``no_sync()``: gradients accumulate locally until a backward outside the block."""
         if not enabled:
             return nullcontext()
         if not isinstance(module, DistributedDataParallel):

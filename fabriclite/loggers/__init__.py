@@ -1,0 +1,9 @@
+"""Experiment loggers for ``Fabric(loggers=[...])`` (Lightning Fabric's ``lightning.fabric.loggers``).
+
+Importing this package does not import tensorboard; ``TensorBoardLogger`` imports it on first use.
+"""
+from fabriclite.loggers.base import Logger
+from fabriclite.loggers.csv import CSVLogger
+from fabriclite.loggers.tensorboard import TensorBoardLogger
+
+__all__ = ["CSVLogger", "Logger", "TensorBoardLogger"]

@@ -1,0 +1,129 @@
+"""The Logger base: what ``Fabric(loggers=[...])`` takes, and the rank-0-only rule every logger follows."""
+from __future__ import annotations
+
+import functools
+import os
+from abc import ABC, abstractmethod
+from argparse import Namespace
+from typing import Any, Callable, Dict, Mapping, Optional, TypeVar, Union
+
+from torch import Tensor
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def rank_zero_only(method: F) -> F:
+    """Make a Logger method run on global rank 0 only (a no-op returning None elsewhere)."""
+
+    @functools.wraps(method)
+    def wrapper(self: "Logger", *args: Any, **kwargs: Any) -> Any:
+        if self.rank != 0:
+            return None
+        return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Logger(ABC):
+    """Base class of experiment loggers (Lightning Fabric's interface).
+
+    Writes happen on global rank 0 only: ``Fabric`` tells each logger its rank (``bind_rank``) when the
+    Fabric is created and again when the processes are launched; the ``rank_zero_only`` decorator turns
+    the writing methods into no-ops on every other rank, so nothing touches the disk there. A logger used
+    without a Fabric counts as rank 0.
+    """
+
+    def __init__(self) -> None:
+        self._rank = 0
+
+    @property
+    def rank(self) -> int:
+        """The global rank of this process, as told by the Fabric that owns the logger."""
+        return self._rank
+
+    def bind_rank(self, rank: int) -> None:
+        self._rank = int(rank)
+
+    @property
+    @abstractmethod
+    def name(self) -> Optional[str]:
+        """The experiment name."""
+
+    @property
+    @abstractmethod
+    def version(self) -> Optional[Union[int, str]]:
+        """The experiment version."""
+
+    @property
+    def root_dir(self) -> Optional[str]:
+        """The directory the experiments of this logger live under (None when not on disk)."""
+        return None
+
+    @property
+    def log_dir(self) -> Optional[str]:
+        """This experiment's directory (None when not on disk)."""
+        return None
+
+    @property
+    def group_separator(self) -> str:
+        return "/"
+
+    @abstractmethod
+    def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
+        """Record ``metrics`` (name -> number) at ``step``."""
+
+    @abstractmethod
+    def log_hyperparams(self, params: Union[Dict[str, Any], Namespace], *args: Any, **kwargs: Any) -> None:
+        """Record the run's hyperparameters."""
+
+    def log_graph(self, model: Any, input_array: Optional[Tensor] = None) -> None:
+        """Record the model's graph (loggers that can)."""
+
+    def save(self) -> None:
+        """Flush what was recorded to storage."""
+
+    def finalize(self, status: str) -> None:
+        """Flush and close at the end of the run (``status``: "success", "failed", ...)."""
+        self.save()
+
+
+def add_prefix(metrics: Mapping[str, Any], prefix: str, separator: str) -> Dict[str, Any]:
+    """``metrics`` with ``prefix + separator`` in front of every name (unchanged for an empty prefix)."""
+    if not prefix:
+        return dict(metrics)
+    return {f"{prefix}{separator}{k}": v for k, v in metrics.items()}
+
+
+def to_scalar(value: Any) -> Any:
+    """A number for a one-element tensor; other values unchanged."""
+    if isinstance(value, Tensor):
+        return value.item()
+    return value
+
+
+def params_to_dict(params: Union[Dict[str, Any], Namespace]) -> Dict[str, Any]:
+    """Hyperparameters as a flat ``{"a/b": value}`` dict (a Namespace becomes a dict first)."""
+    if isinstance(params, Namespace):
+        params = vars(params)
+    flat: Dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}" if prefix else str(k), v)
+        elif isinstance(value, Namespace):
+            walk(prefix, vars(value))
+        else:
+            flat[prefix] = value
+
+    walk("", params)
+    return flat
+
+
+def next_version(root: str) -> int:
+    """One more than the largest ``version_<n>`` directory under ``root`` (0 when there is none)."""
+    if not os.path.isdir(root):
+        return 0
+    versions = [int(d[len("version_"):]) for d in os.listdir(root)
+                if d.startswith("version_") and d[len("version_"):].isdigit() and os.path.isdir(os.path.join(root, d))]
+    return max(versions) + 1 if versions else 0

@@ -1,0 +1,116 @@
+"""CSVLogger: metrics to ``<root_dir>/<name>/version_<n>/metrics.csv`` (Lightning Fabric's layout)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from argparse import Namespace
+from typing import Any, Dict, List, Optional, Union
+
+from fabriclite.loggers.base import Logger, add_prefix, next_version, params_to_dict, rank_zero_only, to_scalar
+
+
+class CSVLogger(Logger):
+    """Log metrics to a CSV file, one row per ``log_metrics`` call with a ``step`` column.
+
+    Rows are buffered and appended every ``flush_logs_every_n_steps`` steps and on ``save`` / ``finalize``;
+    a metric name seen for the first time rewrites the file with the wider header. Hyperparameters go to
+    ``hparams.json`` next to it. Only global rank 0 writes or creates directories. ``version=None`` picks
+    the next free ``version_<n>``; a string version is used as the directory name.
+    """
+
+    LOGGER_JOIN_CHAR = "-"
+    NAME_METRICS_FILE = "metrics.csv"
+    NAME_HPARAMS_FILE = "hparams.json"
+
+    def __init__(self, root_dir: Union[str, "os.PathLike[str]"], name: Optional[str] = "lightning_logs",
+                 version: Optional[Union[int, str]] = None, prefix: str = "",
+                 flush_logs_every_n_steps: int = 100) -> None:
+        super().__init__()
+        self._root_dir = os.fspath(root_dir)
+        self._name = name or ""
+        self._version = version
+        self._prefix = prefix
+        self._flush_every = max(1, int(flush_logs_every_n_steps))
+        self._rows: List[Dict[str, Any]] = []
+        self._keys: List[str] = []
+        self._started = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> Union[int, str]:
+        if self._version is None:
+            self._version = next_version(os.path.join(self._root_dir, self._name))
+        return self._version
+
+    @property
+    def root_dir(self) -> str:
+        return self._root_dir
+
+    @property
+    def log_dir(self) -> str:
+        version = self.version if isinstance(self.version, str) else f"version_{self.version}"
+        return os.path.join(self._root_dir, self._name, version)
+
+    @property
+    def metrics_file_path(self) -> str:
+        return os.path.join(self.log_dir, self.NAME_METRICS_FILE)
+
+    @property
+    def experiment(self) -> "CSVLogger":
+        """The logger itself (it is its own writer)."""
+        return self
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Union[Dict[str, Any], Namespace], *args: Any, **kwargs: Any) -> None:
+        self._start()
+        with open(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), "w") as f:
+            json.dump(params_to_dict(params), f, indent=2, sort_keys=True, default=str)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
+        metrics = add_prefix(metrics, self._prefix, self.LOGGER_JOIN_CHAR)
+        row = {k: to_scalar(v) for k, v in metrics.items()}
+        row["step"] = step if step is not None else len(self._rows)
+        self._rows.append(row)
+        if (row["step"] + 1) % self._flush_every == 0:
+            self.save()
+
+    @rank_zero_only
+    def save(self) -> None:
+        if not self._rows:
+            return
+        self._start()
+        path = self.metrics_file_path
+        new_keys = sorted({k for row in self._rows for k in row} - set(self._keys))
+        exists = os.path.isfile(path)
+        if new_keys:
+            self._keys = sorted(self._keys + new_keys)
+            if exists:
+                with open(path, newline="") as f:
+                    old = list(csv.DictReader(f))
+                with open(path, "w", newline="") as f:
+                    writer = csv.DictWriter(f, fieldnames=self._keys)
+                    writer.writeheader()
+                    writer.writerows(old)
+        with open(path, "a" if exists else "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self._keys)
+            if not exists:
+                writer.writeheader()
+            writer.writerows(self._rows)
+        self._rows = []
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self.save()
+
+    def _start(self) -> None:
+        if self._started:
+            return
+        os.makedirs(self.log_dir, exist_ok=True)
+        if os.path.isfile(self.metrics_file_path):  # a reused version directory starts a fresh file
+            os.remove(self.metrics_file_path)
+        self._started = True
