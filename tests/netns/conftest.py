@@ -1,0 +1,38 @@
+"""The ``cluster`` fixture: three hosts made of Linux network namespaces, up once per session.
+
+Teardown (processes, namespaces, links, /etc/netns entries) runs in the fixture's finalizer, in an
+atexit hook (an interrupted run), and, for runs killed outright, in the next run's sweep of clusters
+whose owner pid is gone.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from typing import Iterator
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from cluster import Cluster, sweep, unavailable_reason  # noqa: E402
+
+NUM_NODES = 3
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """Three nodes: ``cluster.exec(node, cmd, env, **popen_kwargs) -> Popen`` runs in node 0, 1 or 2
+    (address ``cluster.addr(node)``, hostname ``cluster.host(node)``)."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"multi-node tests need network namespaces: {reason}")
+    sweep()
+    nodes = Cluster(NUM_NODES)
+    atexit.register(nodes.down)
+    try:
+        yield nodes.up()
+    finally:
+        nodes.down()
+        atexit.unregister(nodes.down)
+    assert not nodes.leftovers(), f"left after teardown: {nodes.leftovers()}"
