@@ -24,6 +24,8 @@ _OPS = {
     "bor": dist.ReduceOp.BOR,
     "bxor": dist.ReduceOp.BXOR,
 }
+#: all_gather into one flat output (``all_gather_into_tensor`` is deprecated from torch 2.13)
+_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
@@ -203,9 +205,13 @@ class DDPStrategy(Strategy):
         return tensor
 
     def all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
-        out = tensor.new_empty((dist.get_world_size(group), *tensor.shape))
-        dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
-        return out
+        # the concatenated (size * numel,) output form: the only one every backend accepts (gloo in
+        # torch >= 2.13 rejects a stacked (size, *shape) output)
+        size = dist.get_world_size(group)
+        flat = tensor.reshape(-1).contiguous()
+        out = flat.new_empty(size * flat.numel())
+        _ALL_GATHER_FLAT(out, flat, group=group)
+        return out.view(size, *tensor.shape)
 
     def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
         dist.broadcast(tensor, src, group=group)
