@@ -6,11 +6,12 @@ supervisor) and strategies (whose ranks join it) can both use it.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
 from datetime import timedelta
-from typing import List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
@@ -18,6 +19,18 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 TIMEOUT_ENV = "FABRICLITE_TIMEOUT"
 #: key prefix of everything fabriclite keeps in the store (the process group gets its own prefix)
 KEY_PREFIX = "fabriclite/"
+#: key (under KEY_PREFIX) where a supervisor publishes the job's first failure, for every rank and node
+FAILURE_KEY = "failure"
+
+
+class RendezvousError(RuntimeError):
+    """Meeting failed: the port is taken, the main address does not answer, or ranks never arrived.
+    The message names the address, port and missing ranks, and how to fix it."""
+
+
+class JobFailedElsewhere(RuntimeError):
+    """Raised in a rank that waits without a deadline when the job's supervisor reports a failure
+    (on this node or another); the message is the supervisor's description of that failure."""
 
 
 def resolve_timeout(timeout: Union[None, float, int, timedelta]) -> timedelta:
@@ -42,34 +55,52 @@ def resolve_timeout(timeout: Union[None, float, int, timedelta]) -> timedelta:
 def host_store(address: str, port: int, timeout: timedelta) -> TCPStore:
     """Start the store server at ``address:port`` (port 0: any free port; read ``store.port``).
 
-    Raises RuntimeError naming the address and port when the port is taken.
+    Raises RendezvousError naming the address and port when the port is taken.
     """
     try:
         return TCPStore(address, port, None, True, timeout, wait_for_workers=False, multi_tenant=True)
     except (RuntimeError, OSError) as err:
         if port and port_in_use(address, port):
-            raise RuntimeError(
+            raise RendezvousError(
                 f"fabriclite: main port {port} on {address} is already in use by another process. Pick a free "
                 f"one (--main-port / MASTER_PORT), or leave it unset on one node to get a free port."
             ) from err
-        raise RuntimeError(f"fabriclite: could not start the rendezvous store on {address}:{port}: {err}") from err
+        raise RendezvousError(f"fabriclite: could not start the rendezvous store on {address}:{port}: {err}") from err
 
 
 def join_store(address: str, port: int, timeout: timedelta) -> TCPStore:
     """Connect to the store server at ``address:port``, retrying until ``timeout``.
 
-    Raises RuntimeError naming the address and port when nobody answers in time.
+    Waits in Python (so signals are handled while waiting) until something accepts connections at
+    ``address:port``, then joins the store. Raises RendezvousError naming the address and port when
+    nobody answers in time, or when what answers is not a rendezvous store.
     """
     start = time.monotonic()
+    deadline = start + timeout.total_seconds()
+    delay = 0.05
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=min(2.0, max(0.1, deadline - time.monotonic()))).close()
+            break
+        except OSError as err:
+            if time.monotonic() + delay > deadline:
+                raise RendezvousError(
+                    f"fabriclite: could not reach the rendezvous store at {address}:{port} within "
+                    f"{time.monotonic() - start:.0f} s (timeout {timeout.total_seconds():.0f} s): {err}. Check that "
+                    f"node 0 is started, that {address} is reachable from this host and that port {port} is open."
+                ) from err
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+    connect_s = min(max(deadline - time.monotonic(), 1.0), 10.0)
     try:
-        return TCPStore(address, port, None, False, timeout)
+        store = TCPStore(address, port, None, False, timedelta(seconds=connect_s))
     except (RuntimeError, OSError) as err:
-        waited = time.monotonic() - start
-        raise RuntimeError(
-            f"fabriclite: could not reach the rendezvous store at {address}:{port} within {waited:.0f} s "
-            f"(timeout {timeout.total_seconds():.0f} s). Check that node 0 is started, that {address} is "
-            f"reachable from this host and that port {port} is open. ({err})"
+        raise RendezvousError(
+            f"fabriclite: something answers at {address}:{port}, but it is not a rendezvous store that accepted "
+            f"this client ({err}). Check --main-address / --main-port (MASTER_ADDR / MASTER_PORT)."
         ) from err
+    store.set_timeout(timeout)
+    return store
 
 
 def port_in_use(address: str, port: int) -> bool:
@@ -82,9 +113,11 @@ def port_in_use(address: str, port: int) -> bool:
             return False
 
 
-def wait_for_ranks(store: Store, key: str, rank: int, world_size: int, timeout: timedelta) -> None:
+def wait_for_ranks(store: Store, key: str, rank: int, world_size: int, timeout: timedelta,
+                   where: str = "") -> None:
     """Every rank checks in under ``key``; returns when all ``world_size`` have, else raises a
-    RuntimeError listing the ranks that never arrived."""
+    RendezvousError listing the ranks that never arrived (within ``timeout``), or JobFailedElsewhere
+    as soon as a supervisor reports a failure. ``where`` ("address:port") goes into the error."""
     store.set(f"{key}/{rank}", "1")
     arrived = store.add(f"{key}/count", 1)
     deadline = time.monotonic() + timeout.total_seconds()
@@ -92,14 +125,17 @@ def wait_for_ranks(store: Store, key: str, rank: int, world_size: int, timeout: 
     while arrived < world_size:
         if time.monotonic() > deadline:
             missing = missing_ranks(store, key, world_size)
-            raise RuntimeError(
-                f"fabriclite: ranks {missing} of {world_size} never joined within {timeout.total_seconds():.0f} s "
+            raise RendezvousError(
+                f"fabriclite: ranks {missing} of {world_size} never joined the rendezvous"
+                f"{' at ' + where if where else ''} within {timeout.total_seconds():.0f} s "
                 f"(rank {rank} waited). Were all nodes started, with the same --num-nodes/--devices and main "
                 f"address/port?"
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
         arrived = store.add(f"{key}/count", 0)
+        if delay >= 0.1:
+            raise_if_failed(store, "waiting for the other ranks to join")
 
 
 def missing_ranks(store: Store, key: str, world_size: int) -> List[int]:
@@ -112,3 +148,56 @@ def prefixed(store: Store, prefix: str) -> PrefixStore:
 
 def store_address(address: Optional[str]) -> str:
     return address or "127.0.0.1"
+
+
+# ---------------------------------------------------------------------- the job's failure flag
+def read_failure(store: Store) -> Optional[Dict[str, Any]]:
+    """The failure a supervisor published (keys: node, rank, message, timestamp, secondary), or None.
+
+    ``store`` is prefixed with KEY_PREFIX. A store that cannot be reached counts as a failure (its
+    host, node 0's supervisor, is gone)."""
+    try:
+        if not store.check([FAILURE_KEY]):
+            return None
+        return json.loads(store.get(FAILURE_KEY))
+    except RuntimeError as err:
+        return {"node": None, "rank": None, "timestamp": time.time(), "secondary": False,
+                "message": f"the job's rendezvous store is gone (its supervisor ended?): {err}"}
+
+
+def publish_failure(store: Store, record: Dict[str, Any]) -> None:
+    """Publish ``record`` as the job's failure unless one is there already; a root cause
+    (``secondary`` False) replaces a secondary one. Never raises."""
+    try:
+        old = read_failure(store)
+        if old is None or (old.get("secondary") and not record.get("secondary")):
+            store.set(FAILURE_KEY, json.dumps(record))
+    except RuntimeError:
+        pass
+
+
+def describe_failure(record: Dict[str, Any]) -> str:
+    where = f"node {record['node']}: " if record.get("node") is not None else ""
+    return f"{where}{record['message']}"
+
+
+def raise_if_failed(store: Store, what: str) -> None:
+    """Raise JobFailedElsewhere if a supervisor has reported a failure of the job."""
+    record = read_failure(store)
+    if record is not None:
+        raise JobFailedElsewhere(f"fabriclite: stopped {what}: the job failed on {describe_failure(record)}")
+
+
+def wait_for_key(store: Store, key: str, what: str, poll_s: float = 0.05) -> None:
+    """Wait, without a deadline, until ``key`` is set in ``store`` (prefixed with KEY_PREFIX).
+
+    For waits that are not faults however long they take (rank 0 first, a checkpoint being
+    written): instead of a timeout, it raises JobFailedElsewhere (naming the failed node and rank)
+    as soon as the job's supervisor reports a failure. ``what`` says what is awaited, for the error.
+    """
+    delay = 0.001
+    while not store.check([key]):
+        time.sleep(delay)
+        delay = min(delay * 2, poll_s)
+        if delay >= poll_s:
+            raise_if_failed(store, what)

@@ -5,32 +5,94 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from types import TracebackType
-from typing import Optional, Type
+from typing import Callable, Optional, Type
 
 ERROR_FILE_ENV = "FABRICLITE_ERROR_FILE"
 SUPERVISOR_PID_ENV = "FABRICLITE_SUPERVISOR_PID"
 _PR_SET_PDEATHSIG = 1
+#: parts of the messages of errors that only report that *another* rank is gone (gloo, nccl, c10d)
+PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                     "pair closure", "socket closed", "connection refused", "nccl communicator was aborted")
+
+
+_prctl: Optional[Callable[..., int]] = None
+
+
+def load_prctl() -> None:
+    """Resolve prctl(2) now, in the parent: a forked child (a preexec_fn) must not dlopen anything
+    while other threads of the parent may hold the loader's locks."""
+    global _prctl
+    if _prctl is None:
+        try:
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):  # pragma: no cover - not Linux
+            pass
 
 
 def die_with_parent(parent_pid: Optional[int] = None) -> None:
     """Ask the kernel to SIGKILL this process when its parent exits (Linux); exit now if the parent
-    is already gone. Safe to call in a preexec_fn."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
+    is already gone. Safe in a preexec_fn once the parent called ``load_prctl()``."""
+    load_prctl()
+    if _prctl is None:  # pragma: no cover - not Linux
         return
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)
 
 
+def watch_supervisor(supervisor_pid: int) -> None:
+    """End this process (SIGKILL) as soon as ``supervisor_pid`` exits, whether it is the parent
+    (PR_SET_PDEATHSIG) or not (a forkserver child: a daemon thread waits on a pidfd, or polls).
+    Exits now if the supervisor is already gone."""
+    if os.getppid() == supervisor_pid:
+        die_with_parent(supervisor_pid)
+        return
+    try:
+        fd: Optional[int] = os.pidfd_open(supervisor_pid)  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        fd = None
+        if not _alive(supervisor_pid):
+            os._exit(1)
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _alive(supervisor_pid):
+                time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="fabriclite-supervisor-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def is_secondary(exc: BaseException) -> bool:
+    """Whether ``exc`` only reports that another rank is gone (so it is not the job's root cause)."""
+    if getattr(exc, "secondary", False):
+        return True
+    text = str(exc).lower()
+    return any(marker in text for marker in PEER_LOST_MARKERS)
+
+
 def write_error_file(path: str, exc: BaseException, tb: Optional[TracebackType] = None) -> None:
-    """Record ``exc`` with its traceback for the supervisor's summary (first writer wins)."""
+    """Record ``exc`` with its traceback for the supervisor's summary (first writer wins); an error
+    that only reports a lost peer is marked ``secondary``, so the summary leads with the root cause."""
     if os.path.exists(path):
         return
     record = {
@@ -40,6 +102,7 @@ def write_error_file(path: str, exc: BaseException, tb: Optional[TracebackType] 
         "traceback": "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__)),
         "timestamp": time.time(),
         "pid": os.getpid(),
+        "secondary": is_secondary(exc),
     }
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

@@ -5,15 +5,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
 import tempfile
 from datetime import timedelta
+from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from fabriclite.launchers.base import Launcher
-from fabriclite.launchers.child import die_with_parent, write_error_file
-from fabriclite.launchers.output import OutputOptions
-from fabriclite.launchers.supervisor import JobFailed, Layout, Supervisor
+from fabriclite.launchers.child import watch_supervisor, write_error_file
+from fabriclite.launchers.output import OutputOptions, redirect_output
+from fabriclite.launchers.supervisor import JobFailed, Layout, Supervisor, print_summary
 
 
 class ProcessWorker:
@@ -30,15 +32,19 @@ class MultiprocessingLauncher(Launcher):
 
     ``launch(fn, *args)`` returns what global rank 0's ``fn`` returned (it must pickle); if any rank
     fails, every rank is stopped and :class:`JobFailed` is raised with the supervisor's summary.
+    SIGINT / SIGTERM to this process stop every rank, then raise KeyboardInterrupt / SystemExit(143).
+    ``output`` (default: $FABRICLITE_RANK_PREFIX / $FABRICLITE_LOG_DIR) prefixes and logs ranks' output.
+    Rendezvous problems (port in use, ...) raise fabriclite.rendezvous.RendezvousError.
     """
 
     def __init__(self, cluster_environment: Any, num_processes: int, num_nodes: int, timeout: timedelta,
-                 start_method: str = "spawn") -> None:
+                 start_method: str = "spawn", output: Optional[OutputOptions] = None) -> None:
         self.cluster_environment = cluster_environment
         self.num_processes = num_processes
         self.num_nodes = num_nodes
         self.timeout = timeout
         self.start_method = start_method
+        self.output = output
 
     @property
     def is_interactive_compatible(self) -> bool:  # type: ignore[override]
@@ -50,19 +56,36 @@ class MultiprocessingLauncher(Launcher):
         context = mp.get_context(self.start_method)
         with tempfile.TemporaryDirectory(prefix="fabriclite-result-") as tmp:
             result_path = os.path.join(tmp, "result.pkl")
-            supervisor = Supervisor(layout, env.main_address, env.main_port, self.timeout, OutputOptions())
+            output = self.output or OutputOptions.from_env()
+            supervisor = Supervisor(layout, env.main_address, env.main_port, self.timeout, output, report=False)
             sys.stdout.flush()
             sys.stderr.flush()
 
             def start(local_rank: int, child_env: Dict[str, str]) -> ProcessWorker:
+                rank = layout.global_rank(local_rank)
+                pipes = output.open_pipes()
+                fds = None if pipes is None else (self._pass_fd(pipes[0][1]), self._pass_fd(pipes[1][1]))
                 process = context.Process(
-                    target=_entry, args=(child_env, os.getpid(), result_path, function, args, kwargs),
-                    name=f"fabriclite-rank-{layout.global_rank(local_rank)}",
+                    target=_entry, args=({**output.child_env(), **child_env}, os.getpid(), result_path, fds,
+                                         function, args, kwargs),
+                    name=f"fabriclite-rank-{rank}",
                 )
-                process.start()
+                try:
+                    process.start()
+                finally:
+                    if pipes is not None:
+                        os.close(pipes[0][1])
+                        os.close(pipes[1][1])
+                if pipes is not None:
+                    output.attach_fds(rank, pipes[0][0], pipes[1][0])
                 return ProcessWorker(process)
 
             code = supervisor.run(start)
+            if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+                print_summary(supervisor.summary)
+                if code == 128 + signal.SIGINT:
+                    raise KeyboardInterrupt(supervisor.summary)
+                raise SystemExit(code)
             if code != 0:
                 raise JobFailed(supervisor.summary, code)
             if not os.path.exists(result_path):
@@ -71,10 +94,17 @@ class MultiprocessingLauncher(Launcher):
                 return pickle.load(f)
 
 
-def _entry(child_env: Dict[str, str], parent_pid: int, result_path: str, function: Callable[..., Any],
-           args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    def _pass_fd(self, fd: int) -> Any:
+        """``fd`` in a form the child can use: inherited as is by fork, duplicated for spawn."""
+        return fd if self.start_method == "fork" else DupFd(fd)
+
+
+def _entry(child_env: Dict[str, str], parent_pid: int, result_path: str, fds: Optional[Tuple[Any, Any]],
+           function: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
     os.setpgid(0, 0)
-    die_with_parent(parent_pid)
+    watch_supervisor(parent_pid)
+    if fds is not None:
+        redirect_output(*(fd if isinstance(fd, int) else fd.detach() for fd in fds))
     os.environ.update(child_env)
     try:
         result = function(*args, **kwargs)

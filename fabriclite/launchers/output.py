@@ -1,16 +1,23 @@
 """Per-rank output handling for supervised ranks: an optional "[rank N]" prefix on every line and
-optional per-rank log files (like torchrun's --tee / --log-dir)."""
+optional per-rank log files (like torchrun's --tee / --log-dir).
+
+Popen ranks (script mode, ``fabriclite run``) get pipes through ``popen_kwargs()``; spawn/fork ranks
+get the write ends of ``open_pipes()`` and point their stdout/stderr there (``redirect_output``).
+The supervisor forwards every line, prefixed, to its own stdout/stderr and to ``LOG_DIR/rank_N.log``.
+"""
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import IO, Any, Dict, List, Optional
+from typing import IO, Any, Dict, List, Optional, Tuple
 
 PREFIX_ENV = "FABRICLITE_RANK_PREFIX"
 LOG_DIR_ENV = "FABRICLITE_LOG_DIR"
+_TRUE = ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -24,37 +31,60 @@ class OutputOptions:
 
     @classmethod
     def from_env(cls) -> "OutputOptions":
-        """From $FABRICLITE_RANK_PREFIX (1/true) and $FABRICLITE_LOG_DIR."""
-        prefix = os.environ.get(PREFIX_ENV, "").lower() in ("1", "true", "yes")
+        """From $FABRICLITE_RANK_PREFIX (1/true/yes/on) and $FABRICLITE_LOG_DIR."""
+        prefix = os.environ.get(PREFIX_ENV, "").lower() in _TRUE
         return cls(prefix=prefix, log_dir=os.environ.get(LOG_DIR_ENV) or None)
 
     @property
     def captures(self) -> bool:
+        """Whether ranks' output goes through the supervisor (prefix or log files asked for)."""
         return self.prefix or self.log_dir is not None
 
+    def child_env(self) -> Dict[str, str]:
+        """Variables for a captured rank: Python output unbuffered, so lines arrive as printed."""
+        return {"PYTHONUNBUFFERED": "1"} if self.captures and "PYTHONUNBUFFERED" not in os.environ else {}
+
     def popen_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments for ``subprocess.Popen`` so that ``attach(rank, process)`` can forward."""
         if not self.captures:
             return {}
-        return {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "bufsize": 1, "text": True,
-                "errors": "replace"}
+        return {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
 
-    def attach(self, global_rank: int, process: "subprocess.Popen[str]") -> None:
+    def attach(self, global_rank: int, process: "subprocess.Popen[Any]") -> None:
         """Forward ``process``'s output (started with ``popen_kwargs()``) line by line."""
+        if self.captures:
+            self.attach_streams(global_rank, process.stdout, process.stderr)
+
+    def open_pipes(self) -> Optional[Tuple[Tuple[int, int], Tuple[int, int]]]:
+        """For a spawn/fork rank: ((stdout read, write), (stderr read, write)) file descriptors, or
+        None when nothing is captured. Pass the write ends to the rank (``redirect_output``), close
+        them here once it started, and ``attach_fds`` the read ends."""
         if not self.captures:
-            return
+            return None
+        return os.pipe(), os.pipe()
+
+    def attach_fds(self, global_rank: int, stdout_fd: int, stderr_fd: int) -> None:
+        """Forward what is written to the pipes whose read ends are ``stdout_fd`` / ``stderr_fd``."""
+        self.attach_streams(global_rank, os.fdopen(stdout_fd, "rb"), os.fdopen(stderr_fd, "rb"))
+
+    def attach_streams(self, global_rank: int, stdout: Optional[IO[bytes]], stderr: Optional[IO[bytes]]) -> None:
+        """Forward two binary streams of rank ``global_rank`` line by line until they end."""
         log: Optional[IO[str]] = None
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
-            log = open(os.path.join(self.log_dir, f"rank_{global_rank}.log"), "a", buffering=1)
+            log = open(os.path.join(self.log_dir, f"rank_{global_rank}.log"), "a", buffering=1,
+                       encoding="utf-8", errors="replace")
             self._files.append(log)
         tag = f"[rank {global_rank}] " if self.prefix else ""
         lock = threading.Lock()
-        for stream, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
-            thread = threading.Thread(target=_pump, args=(stream, sink, tag, log, lock), daemon=True)
+        for stream, sink in ((stdout, sys.stdout), (stderr, sys.stderr)):
+            thread = threading.Thread(target=_pump, args=(stream, sink, tag, log, lock), daemon=True,
+                                      name=f"fabriclite-output-{global_rank}")
             thread.start()
             self._threads.append(thread)
 
     def close(self) -> None:
+        """Wait (up to 2 s per stream) for the forwarded streams to end; close the log files."""
         for thread in self._threads:
             thread.join(timeout=2)
         for f in self._files:
@@ -63,13 +93,39 @@ class OutputOptions:
         self._files.clear()
 
 
-def _pump(stream: Optional[IO[str]], sink: IO[str], tag: str, log: Optional[IO[str]], lock: threading.Lock) -> None:
+def redirect_output(stdout_fd: int, stderr_fd: int) -> None:
+    """In a spawn/fork rank: send this process's stdout / stderr (file descriptors 1 and 2, so
+    C-level output too) to the given pipe write ends, line-buffered."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    for fd in {stdout_fd, stderr_fd} - {1, 2}:
+        os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)
+
+
+def _pump(stream: Optional[IO[bytes]], sink: IO[str], tag: str, log: Optional[IO[str]], lock: threading.Lock) -> None:
     if stream is None:
         return
-    for line in stream:
-        sink.write(tag + line)
-        sink.flush()
-        if log is not None:
-            with lock:
-                log.write(line)
-    stream.close()
+    with stream:
+        for raw in stream:
+            line = raw.decode("utf-8", errors="replace")
+            if not line.endswith("\n"):
+                line += "\n"
+            try:
+                sink.write(tag + line)
+                sink.flush()
+            except (OSError, ValueError):
+                pass
+            if log is not None:
+                with lock:
+                    try:
+                        log.write(line)
+                    except ValueError:  # closed after the supervisor stopped waiting
+                        log = None

@@ -12,7 +12,8 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence
 
 from fabriclite.launchers.base import Launcher
-from fabriclite.launchers.child import die_with_parent
+from fabriclite.rendezvous import RendezvousError
+from fabriclite.launchers.child import die_with_parent, load_prctl
 from fabriclite.launchers.output import OutputOptions
 from fabriclite.launchers.supervisor import Layout, Supervisor, print_summary
 
@@ -22,8 +23,9 @@ class PopenWorker:
 
     def __init__(self, command: Sequence[str], env: Dict[str, str], output: OutputOptions, global_rank: int) -> None:
         parent = os.getpid()
+        load_prctl()
         self.process = subprocess.Popen(
-            list(command), env={**os.environ, **env}, start_new_session=True,
+            list(command), env={**os.environ, **output.child_env(), **env}, start_new_session=True,
             preexec_fn=lambda: die_with_parent(parent), **output.popen_kwargs(),
         )
         output.attach(global_rank, self.process)
@@ -43,12 +45,15 @@ def run_supervised(command: Sequence[str], layout: Layout, main_address: str, ma
                    timeout: timedelta, output: Optional[OutputOptions] = None,
                    extra_env: Optional[Dict[str, str]] = None) -> int:
     """Start ``command`` once per local rank under a Supervisor (each rank's environment gets
-    ``extra_env`` too); print its summary; return the exit code."""
+    ``extra_env`` too); its summary goes to stderr; return the exit code (1 with a clear message on
+    stderr when the rendezvous store cannot be hosted or joined)."""
     supervisor = Supervisor(layout, main_address, main_port, timeout, output, extra_env=extra_env)
-    code = supervisor.run(lambda local_rank, env: PopenWorker(command, env, supervisor.output,
-                                                              layout.global_rank(local_rank)))
-    print_summary(supervisor.summary)
-    return code
+    try:
+        return supervisor.run(lambda local_rank, env: PopenWorker(command, env, supervisor.output,
+                                                                  layout.global_rank(local_rank)))
+    except RendezvousError as err:
+        print_summary(str(err))
+        return 1
 
 
 class SubprocessScriptLauncher(Launcher):

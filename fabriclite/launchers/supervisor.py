@@ -12,7 +12,6 @@ the job into one clear ending.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -20,17 +19,22 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Protocol
 
 from fabriclite import rendezvous
+from fabriclite.environments.fabriclite_env import child_env
 from fabriclite.launchers.child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
+from fabriclite.launchers.failures import Failure, remote_is_root, root_cause, signal_name, summarize
 from fabriclite.launchers.output import OutputOptions
 
-FAILURE_KEY = "failure"
 POLL_S = 0.05
+#: how long to wait for the root cause when only ranks that lost a peer have been seen failing
+SECONDARY_WAIT_S = 1.0
 REMOTE_POLL_S = 0.5
+#: how long node 0 keeps the store up after a failure, for the other nodes to read it
+LINGER_S = 3.0
 DEFAULT_MULTI_NODE_PORT = 29500
 
 
@@ -57,21 +61,6 @@ class Layout:
         return self.node_rank * self.local_world_size + local_rank
 
 
-@dataclass
-class Failure:
-    node_rank: int
-    global_rank: int
-    local_rank: int
-    returncode: int
-    traceback: str = ""
-    timestamp: float = field(default_factory=time.time)
-
-    def describe(self) -> str:
-        how = (f"was killed by {_signal_name(-self.returncode)}" if self.returncode < 0
-               else f"exited with code {self.returncode}")
-        return f"rank {self.global_rank} (local rank {self.local_rank}, node {self.node_rank}) {how}"
-
-
 class JobFailed(RuntimeError):
     """A rank of the job failed; the message is the supervisor's summary."""
 
@@ -82,7 +71,10 @@ class JobFailed(RuntimeError):
 
 class Supervisor:
     """Runs this node's ranks: ``run(start)`` calls ``start(local_rank, env)`` once per local rank
-    and returns the node's exit code (0 only when every rank here exited 0 and no node failed)."""
+    and returns the node's exit code (0 only when every rank here exited 0 and no node failed).
+
+    ``summary`` holds the one report of a failed job (printed to stderr when ``report``);
+    ``grace_s``: how long stopped ranks get between SIGTERM and SIGKILL."""
 
     def __init__(
         self,
@@ -93,6 +85,7 @@ class Supervisor:
         output: Optional[OutputOptions] = None,
         grace_s: float = 3.0,
         extra_env: Optional[Dict[str, str]] = None,
+        report: bool = True,
     ) -> None:
         if layout.num_nodes > 1 and not main_port:
             main_port = DEFAULT_MULTI_NODE_PORT  # every node must agree; one node alone picks a free port
@@ -103,12 +96,14 @@ class Supervisor:
         self.output = output or OutputOptions.from_env()
         self.grace_s = grace_s
         self.extra_env = dict(extra_env or {})
+        self.report = report
         self.summary = ""
         self._signal: Optional[int] = None
         self._workers: Dict[int, Worker] = {}
         self._tmpdir = ""
         self._store: Any = None
         self._raw_store: Any = None
+        self._opening = False
 
     # ------------------------------------------------------------------ the job's store
     def _open_store(self) -> None:
@@ -120,45 +115,55 @@ class Supervisor:
         self._store = rendezvous.prefixed(self._raw_store, rendezvous.KEY_PREFIX)
 
     def child_env(self, local_rank: int) -> Dict[str, str]:
-        """The variables a rank started here runs with (read by FabricliteEnvironment)."""
-        rank = self.layout.global_rank(local_rank)
-        values = {
-            "FABRICLITE_RANK": rank,
-            "FABRICLITE_LOCAL_RANK": local_rank,
-            "FABRICLITE_NODE_RANK": self.layout.node_rank,
-            "FABRICLITE_WORLD_SIZE": self.layout.world_size,
-            "FABRICLITE_LOCAL_WORLD_SIZE": self.layout.local_world_size,
-            "FABRICLITE_NUM_NODES": self.layout.num_nodes,
-            "MASTER_ADDR": self.main_address,
-            "MASTER_PORT": self.main_port,
-            # the usual names too, for user code that reads them
-            "RANK": rank,
-            "LOCAL_RANK": local_rank,
-            "WORLD_SIZE": self.layout.world_size,
-            "LOCAL_WORLD_SIZE": self.layout.local_world_size,
-            "NODE_RANK": self.layout.node_rank,
-            ERROR_FILE_ENV: self._error_file(local_rank),
-            SUPERVISOR_PID_ENV: os.getpid(),
-        }
-        return {**self.extra_env, **{k: str(v) for k, v in values.items()}}
+        """The variables a rank started here runs with (read by FabricliteEnvironment), plus the
+        usual RANK / LOCAL_RANK / WORLD_SIZE names for user code, and where to report errors."""
+        layout = self.layout
+        rank = layout.global_rank(local_rank)
+        values = child_env(rank, local_rank, layout.node_rank, layout.world_size, layout.local_world_size,
+                           layout.num_nodes, self.main_address, self.main_port)
+        values.update({
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(layout.world_size),
+            "LOCAL_WORLD_SIZE": str(layout.local_world_size), "NODE_RANK": str(layout.node_rank),
+            ERROR_FILE_ENV: self._error_file(local_rank), SUPERVISOR_PID_ENV: str(os.getpid()),
+        })
+        return {**self.extra_env, **values}
 
     def _error_file(self, local_rank: int) -> str:
         return os.path.join(self._tmpdir, f"error-{local_rank}.json")
 
     # ------------------------------------------------------------------ running
     def run(self, start: Callable[[int, Dict[str, str]], Worker]) -> int:
+        """Open the job's store, start the ranks, watch them; return the node's exit code.
+
+        Raises RendezvousError (naming address and port) when the store cannot be hosted or joined;
+        a signal while joining ends the wait at once (exit code 128 + signal)."""
         self._tmpdir = tempfile.mkdtemp(prefix="fabriclite-")
         restore = self._install_signal_handlers()
         try:
-            self._open_store()
-            for local_rank in range(self.layout.local_world_size):
-                self._workers[local_rank] = start(local_rank, self.child_env(local_rank))
-            return self._watch()
+            code = self._open_and_watch(start)
+            self._stop_all()
+            self.output.close()
+            if self.report:
+                print_summary(self.summary)
+            self._leave(failed=code != 0)
+            return code
         finally:
             self._stop_all()
             restore()
             self.output.close()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def _open_and_watch(self, start: Callable[[int, Dict[str, str]], Worker]) -> int:
+        self._opening = True
+        try:
+            self._open_store()
+        except _Interrupted:
+            return self._interrupted(self._signal or signal.SIGINT)
+        finally:
+            self._opening = False
+        for local_rank in range(self.layout.local_world_size):
+            self._workers[local_rank] = start(local_rank, self.child_env(local_rank))
+        return self._watch()
 
     def _watch(self) -> int:
         running = dict(self._workers)
@@ -166,101 +171,76 @@ class Supervisor:
         next_remote = time.monotonic() + REMOTE_POLL_S
         while running:
             if self._signal is not None:
-                self.summary = f"fabriclite: stopped every rank on {_signal_name(self._signal)}."
-                return 128 + self._signal
-            for local_rank, worker in list(running.items()):
-                code = worker.poll()
-                if code is None:
-                    continue
-                del running[local_rank]
-                if code != 0:
-                    failures.append(self._failure(local_rank, code))
+                return self._interrupted(self._signal)
+            self._poll(running, failures)
             if failures:
-                # give ranks that failed at nearly the same time a moment to be seen too
                 self._collect_more(running, failures)
                 return self._fail(failures)
             if self.layout.num_nodes > 1 and time.monotonic() >= next_remote:
                 next_remote = time.monotonic() + REMOTE_POLL_S
-                remote = self._remote_failure()
-                if remote:
-                    self.summary = remote
+                remote = rendezvous.read_failure(self._store)
+                if remote is not None:
+                    self.summary = (f"fabriclite: the job failed on {rendezvous.describe_failure(remote)}\n"
+                                    f"  stopping the ranks of node {self.layout.node_rank}.")
                     return 1
             time.sleep(POLL_S)
-        self._finish_ok()
         return 0
 
-    def _collect_more(self, running: Dict[int, Worker], failures: List[Failure]) -> None:
-        time.sleep(0.1)
+    def _poll(self, running: Dict[int, Worker], failures: List[Failure]) -> None:
         for local_rank, worker in list(running.items()):
             code = worker.poll()
-            if code is not None:
-                del running[local_rank]
-                if code != 0:
-                    failures.append(self._failure(local_rank, code))
+            if code is None:
+                continue
+            del running[local_rank]
+            if code != 0:
+                failures.append(Failure.from_exit(self.layout.node_rank, self.layout.global_rank(local_rank),
+                                                  local_rank, code, self._error_file(local_rank), POLL_S))
 
-    def _failure(self, local_rank: int, code: int) -> Failure:
-        failure = Failure(self.layout.node_rank, self.layout.global_rank(local_rank), local_rank, code)
-        try:
-            with open(self._error_file(local_rank)) as f:
-                record = json.load(f)
-            failure.traceback = record.get("traceback", "")
-            failure.timestamp = float(record.get("timestamp", failure.timestamp))
-        except (OSError, ValueError):
-            pass
-        return failure
+    def _collect_more(self, running: Dict[int, Worker], failures: List[Failure]) -> None:
+        """Give ranks that failed at nearly the same time a moment to be seen too; longer (up to
+        SECONDARY_WAIT_S) while every failure seen only reports a lost peer."""
+        start = time.monotonic()
+        while running:
+            time.sleep(POLL_S)
+            self._poll(running, failures)
+            waited = time.monotonic() - start
+            if waited >= 0.1 and (waited >= SECONDARY_WAIT_S or not all(f.secondary for f in failures)):
+                return
 
     def _fail(self, failures: List[Failure]) -> int:
-        # the root cause is the earliest recorded error, as torchelastic's error files do
-        first = min(failures, key=lambda f: (not f.traceback, f.timestamp))
-        lines = [f"fabriclite: the job failed: {first.describe()}."]
-        lines += [f"  also: {f.describe()}" for f in failures if f is not first]
-        others = [self.layout.global_rank(r) for r in self._workers if self._workers[r].poll() is None]
-        if others:
-            lines.append(f"  stopping ranks {others} on node {self.layout.node_rank}.")
-        if first.traceback:
-            lines.append(f"--- rank {first.global_rank} traceback ---")
-            lines.append(first.traceback.rstrip())
-        self.summary = "\n".join(lines)
-        self._publish_failure(first)
-        code = first.returncode
-        return code if code > 0 else 128 + (-code if code < 0 else 1)
+        remote = rendezvous.read_failure(self._store) if self.layout.num_nodes > 1 else None
+        stopping = [self.layout.global_rank(r) for r, w in self._workers.items() if w.poll() is None]
+        self.summary = summarize(failures, remote, self.layout.node_rank, stopping)
+        root = root_cause(failures)
+        if remote_is_root(remote, root, self.layout.node_rank):
+            return 1
+        rendezvous.publish_failure(self._store, root.record())
+        return root.exit_code
 
-    # ------------------------------------------------------------------ across nodes
-    def _publish_failure(self, failure: Failure) -> None:
-        if self._store is None or self.layout.num_nodes == 1:
-            return
-        message = failure.describe()
-        if failure.traceback:
-            message += "\n" + failure.traceback.strip().splitlines()[-1]
-        try:
-            self._store.set(FAILURE_KEY, json.dumps({"node": failure.node_rank, "message": message}))
-        except RuntimeError:
-            pass
+    def _interrupted(self, signum: int) -> int:
+        name = signal_name(signum)
+        self.summary = f"fabriclite: stopped every rank on node {self.layout.node_rank} on {name}."
+        if self._store is not None:
+            rendezvous.publish_failure(self._store, {
+                "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
+                "message": f"the supervisor of node {self.layout.node_rank} received {name}"})
+        return 128 + signum
 
-    def _remote_failure(self) -> Optional[str]:
-        try:
-            if not self._store.check([FAILURE_KEY]):
-                return None
-            record = json.loads(self._store.get(FAILURE_KEY))
-            return (f"fabriclite: the job failed on node {record['node']}: {record['message']}\n"
-                    f"  stopping the ranks of node {self.layout.node_rank}.")
-        except RuntimeError as err:
-            return (f"fabriclite: lost the rendezvous store at {self.main_address}:{self.main_port} (node 0's "
-                    f"supervisor is gone: {err}); stopping the ranks of node {self.layout.node_rank}.")
-
-    def _finish_ok(self) -> None:
-        """Node 0 keeps the store up until every node is done (or has failed)."""
+    def _leave(self, failed: bool) -> None:
+        """Across nodes, node 0 keeps the store (and so the failure record) up until every node has
+        ended: up to 60 s after a success, up to LINGER_S after a failure."""
         if self.layout.num_nodes == 1 or self._store is None:
             return
         try:
-            self._store.add("nodes_done", 1)
+            self._store.add("nodes_ended", 1)
             if self.layout.node_rank != 0:
                 return
-            deadline = time.monotonic() + 60
-            while self._store.add("nodes_done", 0) < self.layout.num_nodes and time.monotonic() < deadline:
-                if self._store.check([FAILURE_KEY]) or self._signal is not None:
-                    return
-                time.sleep(0.05)
+            deadline = time.monotonic() + (LINGER_S if failed else 60)
+            while self._store.add("nodes_ended", 0) < self.layout.num_nodes and time.monotonic() < deadline:
+                if not failed and (self._store.check([rendezvous.FAILURE_KEY]) or self._signal is not None):
+                    failed = True
+                    deadline = min(deadline, time.monotonic() + LINGER_S)
+                time.sleep(POLL_S)
         except RuntimeError:
             pass
 
@@ -284,6 +264,8 @@ class Supervisor:
 
         def handler(signum: int, frame: Any) -> None:
             self._signal = signum
+            if self._opening:  # waiting for node 0's store: stop waiting now
+                raise _Interrupted()
 
         for s in previous:
             signal.signal(s, handler)
@@ -293,6 +275,10 @@ class Supervisor:
                 signal.signal(s, h)
 
         return restore
+
+
+class _Interrupted(Exception):
+    """A signal arrived while the supervisor waited for the job's store."""
 
 
 def _kill_group(pid: int, sig: int) -> None:
@@ -313,13 +299,7 @@ def _reap(worker: Worker) -> None:
         time.sleep(0.01)
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
 def print_summary(summary: str) -> None:
+    """Print the supervisor's summary (if any) to stderr."""
     if summary:
         print(summary, file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from fabriclite import rendezvous
 from fabriclite.strategies.base import Strategy
+from fabriclite.strategies.progress import CollectiveWatch
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -63,6 +64,7 @@ class DDPStrategy(Strategy):
         self._store: Optional[dist.Store] = None
         self._groups: Dict[Tuple[int, ...], Any] = {}
         self._owns_group = False
+        self._watch: Optional[CollectiveWatch] = None
 
     # ------------------------------------------------------------------ where this rank is
     @property
@@ -135,7 +137,7 @@ class DDPStrategy(Strategy):
         else:
             store = rendezvous.join_store(address, port, self.timeout)
         self._store = dist.PrefixStore(rendezvous.KEY_PREFIX, store)
-        rendezvous.wait_for_ranks(self._store, "arrived", rank, world, self.timeout)
+        rendezvous.wait_for_ranks(self._store, "arrived", rank, world, self.timeout, where=f"{address}:{port}")
         backend = self._backend()
         kwargs: Dict[str, Any] = {}
         if backend == "nccl":
@@ -143,6 +145,33 @@ class DDPStrategy(Strategy):
         dist.init_process_group(backend, store=dist.PrefixStore("pg/", store), rank=rank, world_size=world,
                                 timeout=self.timeout, **kwargs)
         self._owns_group = True
+        self._start_watch(rank, world)
+
+    def _start_watch(self, rank: int, world: int) -> None:
+        """Count collectives and publish the counts (see strategies.progress), so that a timed-out or
+        broken collective names the ranks that did not arrive."""
+        assert self._store is not None
+        try:
+            publish_store = self._store.clone()
+        except (AttributeError, RuntimeError):
+            publish_store = self._store
+        self._watch = CollectiveWatch(self._store, rank, world, self.timeout.total_seconds(), publish_store)
+        self._watch.start()
+
+    def _call(self, name: str, fn: Any, *args: Any, group: Any = None, **kwargs: Any) -> Any:
+        """Run collective ``fn``; a timeout or lost peer raises CollectiveTimeout / PeerLost naming
+        the collective and the ranks that did not arrive (the group is unusable afterwards)."""
+        watch = self._watch
+        if watch is None:
+            return fn(*args, group=group, **kwargs)
+        key, number = watch.enter(name, group, dist.get_process_group_ranks)
+        try:
+            return fn(*args, group=group, **kwargs)
+        except RuntimeError as err:
+            error = watch.failed(name, key, number, err)
+            if error is None:
+                raise
+            raise error from None  # the backend's error is error.original
 
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
@@ -170,6 +199,9 @@ class DDPStrategy(Strategy):
         return module.no_sync()
 
     def teardown(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
@@ -201,7 +233,7 @@ class DDPStrategy(Strategy):
         return dist.get_process_group_ranks(group)
 
     def all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
-        dist.all_reduce(tensor, op=_OPS[op], group=group)
+        self._call("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group)
         return tensor
 
     def all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
@@ -210,28 +242,28 @@ class DDPStrategy(Strategy):
         size = dist.get_world_size(group)
         flat = tensor.reshape(-1).contiguous()
         out = flat.new_empty(size * flat.numel())
-        _ALL_GATHER_FLAT(out, flat, group=group)
+        self._call("all_gather", _ALL_GATHER_FLAT, out, flat, group=group)
         return out.view(size, *tensor.shape)
 
     def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
-        dist.broadcast(tensor, src, group=group)
+        self._call("broadcast", dist.broadcast, tensor, src, group=group)
         return tensor
 
     def all_gather_object(self, obj: Any, group: Any = None) -> List[Any]:
         out: List[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
+        self._call("all_gather_object", dist.all_gather_object, out, obj, group=group)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0, group: Any = None) -> Any:
         box = [obj]
-        dist.broadcast_object_list(box, src, group=group, device=self._object_device())
+        self._call("broadcast_object", dist.broadcast_object_list, box, src, group=group, device=self._object_device())
         return box[0]
 
     def barrier(self, name: Optional[str] = None, group: Any = None) -> None:
         if self._backend() == "nccl":
-            dist.barrier(group=group, device_ids=[self.root_device.index])
+            self._call("barrier", dist.barrier, group=group, device_ids=[self.root_device.index])
         else:
-            dist.barrier(group=group)
+            self._call("barrier", dist.barrier, group=group)
 
     def _object_device(self) -> Optional[torch.device]:
         return self.root_device if self._backend() == "nccl" else None

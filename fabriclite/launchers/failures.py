@@ -1,0 +1,112 @@
+"""What a supervisor knows about failed ranks, and the one summary it prints for a failed job.
+
+A rank's failure comes from its exit status and, when it raised, from the error file it wrote
+(traceback, time, and whether the error only reports a lost peer: "secondary"). The root cause is
+the earliest failure that is not secondary, on this node or, across nodes, the one a supervisor
+published in the job's store.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+
+@dataclass
+class Failure:
+    """One rank that exited non-zero or was killed by a signal (``returncode`` < 0)."""
+
+    node_rank: int
+    global_rank: int
+    local_rank: int
+    returncode: int
+    traceback: str = ""
+    timestamp: float = field(default_factory=time.time)
+    secondary: bool = False
+
+    @classmethod
+    def from_exit(cls, node_rank: int, global_rank: int, local_rank: int, returncode: int,
+                  error_file: str, noticed_after_s: float = 0.0) -> "Failure":
+        """The failure of a rank that ended with ``returncode``, completed from its error file if it
+        wrote one (``noticed_after_s``: how late the exit may have been seen, for the time)."""
+        failure = cls(node_rank, global_rank, local_rank, returncode, timestamp=time.time() - noticed_after_s)
+        try:
+            with open(error_file) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            return failure
+        failure.traceback = record.get("traceback", "")
+        failure.timestamp = float(record.get("timestamp", failure.timestamp))
+        failure.secondary = bool(record.get("secondary", False))
+        return failure
+
+    def describe(self) -> str:
+        """"rank 1 (local rank 1, node 0) exited with code 3" / "... was killed by SIGKILL"."""
+        how = (f"was killed by {signal_name(-self.returncode)}" if self.returncode < 0
+               else f"exited with code {self.returncode}")
+        return f"rank {self.global_rank} (local rank {self.local_rank}, node {self.node_rank}) {how}"
+
+    @property
+    def error_line(self) -> str:
+        """The last line of the traceback (``ValueError: boom``), or ""."""
+        lines = self.traceback.strip().splitlines()
+        return lines[-1] if lines else ""
+
+    @property
+    def exit_code(self) -> int:
+        """The code the job exits with when this is its root cause (128 + signal for a signal)."""
+        return self.returncode if self.returncode > 0 else 128 + (-self.returncode if self.returncode < 0 else 1)
+
+    def record(self) -> Dict[str, Any]:
+        """What goes into the job's store for the other nodes (see rendezvous.publish_failure)."""
+        message = self.describe() + (f": {self.error_line}" if self.error_line else "")
+        return {"node": self.node_rank, "rank": self.global_rank, "message": message,
+                "timestamp": self.timestamp, "secondary": self.secondary}
+
+
+def root_cause(failures: Sequence[Failure]) -> Failure:
+    """The earliest failure that is not secondary (else the earliest)."""
+    return min(failures, key=lambda f: (f.secondary, f.timestamp))
+
+
+def remote_is_root(remote: Optional[Dict[str, Any]], local_root: Failure, node_rank: int) -> bool:
+    """Whether a failure published by another node explains the job better than ``local_root``."""
+    if remote is None or remote.get("node") == node_rank:
+        return False
+    if local_root.secondary:
+        return not remote.get("secondary", False) or float(remote.get("timestamp", 0)) < local_root.timestamp
+    return not remote.get("secondary", False) and float(remote.get("timestamp", 0)) < local_root.timestamp
+
+
+def summarize(failures: Sequence[Failure], remote: Optional[Dict[str, Any]], node_rank: int,
+              stopping: List[int]) -> str:
+    """The job's one summary: the root cause first, the other failed ranks, the ranks being stopped,
+    and the root cause's traceback."""
+    root = root_cause(failures)
+    lines: List[str] = []
+    if remote_is_root(remote, root, node_rank):
+        assert remote is not None
+        lines.append(f"fabriclite: the job failed on node {remote['node']}: {remote['message']}")
+        others = list(failures)
+    else:
+        lines.append(f"fabriclite: the job failed: {root.describe()}.")
+        others = [f for f in failures if f is not root]
+    for f in others:
+        lines.append(f"  also: {f.describe()}" + (f": {f.error_line}" if f.error_line else ""))
+    if stopping:
+        lines.append(f"  stopping ranks {stopping} on node {node_rank}.")
+    shown = root if root.traceback and root not in others else next((f for f in others if f.traceback), None)
+    if shown is not None:
+        lines.append(f"--- rank {shown.global_rank} traceback ---")
+        lines.append(shown.traceback.rstrip())
+    return "\n".join(lines)
+
+
+def signal_name(signum: int) -> str:
+    """"SIGTERM" for 15; "signal 99" for what is not a known signal."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
