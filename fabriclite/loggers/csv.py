@@ -11,7 +11,8 @@ from fabriclite.loggers.base import Logger, add_prefix, next_version, params_to_
 
 
 class CSVLogger(Logger):
-    """Log metrics to a CSV file, one row per ``log_metrics`` call with a ``step`` column.
+    """Log metrics to a CSV file, one row per ``log_metrics`` call with a ``step`` column (default: the
+    number of rows logged before).
 
     Rows are buffered and appended every ``flush_logs_every_n_steps`` steps and on ``save`` / ``finalize``;
     a metric name seen for the first time rewrites the file with the wider header. Hyperparameters go to
@@ -33,6 +34,7 @@ class CSVLogger(Logger):
         self._prefix = prefix
         self._flush_every = max(1, int(flush_logs_every_n_steps))
         self._rows: List[Dict[str, Any]] = []
+        self._logged = 0  # rows logged so far: the default step
         self._keys: List[str] = []
         self._started = False
 
@@ -74,8 +76,9 @@ class CSVLogger(Logger):
     def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
         metrics = add_prefix(metrics, self._prefix, self.LOGGER_JOIN_CHAR)
         row = {k: to_scalar(v) for k, v in metrics.items()}
-        row["step"] = step if step is not None else len(self._rows)
+        row["step"] = step if step is not None else self._logged
         self._rows.append(row)
+        self._logged += 1
         if (row["step"] + 1) % self._flush_every == 0:
             self.save()
 
