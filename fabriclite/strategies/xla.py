@@ -1,0 +1,283 @@
+"""XLA (TPU, or XLA's CPU devices for testing): one replica per device, collectives through ``torch_xla``.
+
+torch_xla is imported only inside methods. Every collective first materialises pending work, then runs a graph
+that holds only the collective, and materialises again; those syncs are serialised within a process, because
+when one process drives several devices (one thread each) XLA requires every thread to run the same compiled
+collective at the same time.
+"""
+from __future__ import annotations
+
+import pickle
+import threading
+from contextlib import nullcontext
+from functools import reduce
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from fabriclite.accelerators.xla import import_xla
+from fabriclite.strategies.base import Strategy
+from fabriclite.strategies.single_device import SingleDeviceStrategy
+
+_SYNC_LOCK = threading.Lock()
+#: fabriclite op -> xm reduce type; the bitwise ops are an all-gather and a local reduction (XLA has no xor, and
+#: its CPU backend rejects and/or reductions)
+_XM_OPS = {"sum": "sum", "prod": "mul", "min": "min", "max": "max"}
+_BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+#: dtypes XLA's CPU all-reduce rejects, and the dtype they are reduced in (exact: modular for the integers)
+_REDUCE_AS = {torch.bool: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32,
+              torch.bfloat16: torch.float32, torch.float16: torch.float32}
+#: same-size integer views, so that a summed zero-padded gather returns every bit unchanged
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
+         torch.float16: torch.int16, torch.bool: torch.uint8}
+
+
+def xla_sync() -> None:
+    """Run every pending XLA graph of this thread (``torch_xla.sync``), one thread of this process at a time."""
+    xm = import_xla()
+    with _SYNC_LOCK:
+        xm.mark_step()
+
+
+def _to_cpu(data: Any) -> Any:
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    return apply_to_collection(data, Tensor, lambda t: t.detach().cpu() if t.device.type == "xla" else t)
+
+
+class _XLAMixin:
+    """What single- and multi-device XLA share: the optimizer step, no-op gradient sync, checkpoints on the CPU."""
+
+    precision: Any
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """``xm.optimizer_step`` (gradients averaged over the replicas, then the step), then a sync."""
+        result = import_xla().optimizer_step(optimizer, optimizer_args=kwargs)
+        xla_sync()
+        return result
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        """Nothing to skip: XLA reduces gradients only in the optimizer step, so they accumulate locally anyway."""
+        return nullcontext()
+
+    def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
+        xla_sync()
+        return _to_cpu(module.state_dict())
+
+    def get_optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        xla_sync()
+        return _to_cpu(optimizer.state_dict())
+
+    def save_checkpoint(self, path: Any, state: Dict[str, Any],
+                        filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """Pending work is run on every replica, tensors move to the CPU, global rank 0 writes once."""
+        xla_sync()
+        super().save_checkpoint(path, _to_cpu(state), filter)  # type: ignore[misc]
+
+
+class SingleDeviceXLAStrategy(_XLAMixin, SingleDeviceStrategy):
+    """One process on one XLA device (``devices=1`` or ``[i]``); collectives are identities."""
+
+    name = "single_xla"
+
+    def __init__(self, device: Union[int, str, torch.device] = 0, **kwargs: Any) -> None:
+        import_xla()
+        index = device if isinstance(device, int) else (torch.device(device).index or 0)
+        super().__init__(device=torch.device("xla", index), **kwargs)
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return _device_loader(dataloader, self.root_device)
+
+
+class XLAStrategy(_XLAMixin, Strategy):
+    """One replica per XLA device, started by the XLA launcher (``xmp.spawn``); ``launch(fn)`` returns rank 0's
+    result. Ranks come from the XLA runtime after launch (before: rank 0 of ``num_processes``). ``group=`` is not
+    supported: XLA collectives always span every replica. ``sync_module_states``: broadcast rank 0's parameters
+    in ``setup_module``."""
+
+    name = "xla"
+
+    def __init__(self, accelerator: Any = None, precision: Any = None, cluster_environment: Any = None,
+                 parallel_devices: Optional[List[torch.device]] = None, sync_module_states: bool = True) -> None:
+        super().__init__(accelerator=accelerator, precision=precision, cluster_environment=cluster_environment)
+        import_xla()
+        self.parallel_devices = parallel_devices
+        self.sync_module_states = sync_module_states
+        self._launched = False
+
+    @property
+    def num_processes(self) -> int:
+        """Replicas on this host: every XLA device (``xmp.spawn`` cannot start fewer than all but one)."""
+        if self.parallel_devices:
+            return len(self.parallel_devices)
+        return self.accelerator.auto_device_count() if self.accelerator is not None else 1
+
+    @property
+    def root_device(self) -> torch.device:
+        if not self._launched:
+            return torch.device("xla", 0)
+        import torch_xla
+
+        return torch_xla.device()
+
+    def _runtime(self, fn: str, before: int) -> int:
+        if not self._launched:
+            return before
+        from torch_xla import runtime as xr
+
+        return int(getattr(xr, fn)())
+
+    @property
+    def world_size(self) -> int:
+        return self._runtime("world_size", self.num_processes)
+
+    @property
+    def global_rank(self) -> int:
+        return self._runtime("global_ordinal", 0)
+
+    @property
+    def local_rank(self) -> int:
+        return self._runtime("local_ordinal", 0)
+
+    @property
+    def node_rank(self) -> int:
+        return self._runtime("host_index", 0)
+
+    def local_world_size(self) -> int:
+        return self.num_processes
+
+    @property
+    def distributed_ready(self) -> bool:
+        return self._launched
+
+    @property
+    def launcher(self) -> Any:
+        if self._launcher is None:
+            from fabriclite.launchers.xla import XLALauncher
+
+            self._launcher = XLALauncher(self)
+        return self._launcher
+
+    def setup_environment(self) -> None:
+        self._launched = True
+        super().setup_environment()
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if self.sync_module_states and self.world_size > 1:
+            import_xla().broadcast_master_param(module)
+            xla_sync()
+        return module
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return _device_loader(dataloader, self.root_device)
+
+    # ------------------------------------------------------------------ primitives
+    def resolve_group(self, group: Any) -> Any:
+        if group is None or (isinstance(group, (list, tuple, range))
+                             and sorted(int(r) for r in group) == list(range(self.world_size))):
+            return None
+        raise ValueError(f"group={group!r}: XLA collectives always span every replica; subgroups are not "
+                         "supported by the xla strategy. Use group=None.")
+
+    def _reduce(self, tensor: Tensor, op: str) -> Tensor:
+        """``xm.all_reduce`` of a materialised copy of ``tensor`` in a graph of its own; the result on the CPU."""
+        xm = import_xla()
+        data = tensor.detach().cpu()  # runs the pending work that made ``tensor`` in a graph without collectives
+        out = xm.all_reduce(_XM_OPS[op], data.to(self.root_device))
+        xla_sync()
+        return out.cpu()
+
+    def all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
+        """Every replica gets the reduction, on ``tensor``'s device: sum, prod, min, max in XLA (bool, 8/16-bit
+        ints and 16-bit floats in a wider dtype, complex sums as real pairs); band, bor, bxor emulated with an
+        all-gather and a local reduction."""
+        self.resolve_group(group)
+        if op in _BITWISE:
+            return reduce(_BITWISE[op], self.all_gather(tensor).unbind(0))
+        if op not in _XM_OPS:
+            raise ValueError(f"reduce op {op!r} is not supported by the xla strategy; expected one of "
+                             f"{sorted([*_XM_OPS, *_BITWISE])}.")
+        if tensor.is_complex():
+            if op != "sum":
+                raise ValueError(f"reduce op {op!r} is not defined for complex tensors; only 'sum' is.")
+            out = torch.view_as_complex(self._reduce(torch.view_as_real(tensor), op).contiguous())
+        else:
+            out = self._reduce(tensor.to(_REDUCE_AS.get(tensor.dtype, tensor.dtype)), op)
+            out = out != 0 if tensor.dtype is torch.bool else out.to(tensor.dtype)
+        return out.to(tensor.device)
+
+    def all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
+        """``(world_size, *shape)`` on ``tensor``'s device; shapes must be equal on every replica. With one device
+        per process this is ``xm.all_gather``; where a process drives several devices (threads), XLA only keeps
+        all-reduces in step, so each replica's bits go into its own row of a zero buffer that is summed (exact)."""
+        self.resolve_group(group)
+        from torch_xla import runtime as xr
+
+        if xr.addressable_device_count() == 1:
+            xm = import_xla()
+            out = xm.all_gather(tensor.detach().cpu().unsqueeze(0).to(self.root_device), dim=0)
+            xla_sync()
+            return out.cpu().to(tensor.device)
+        bits = _bits(tensor.detach().cpu())
+        rows = torch.zeros((self.world_size, *bits.shape), dtype=bits.dtype)
+        rows[self.global_rank] = bits
+        return _unbits(self._reduce(rows, "sum"), tensor.dtype).to(tensor.device)
+
+    def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
+        """``src``'s tensor on every replica (gathered and selected: exact for every dtype and value)."""
+        return self.all_gather(tensor, group)[src]
+
+    def all_gather_object(self, obj: Any, group: Any = None) -> List[Any]:
+        """Every replica's ``obj`` (pickled), in rank order."""
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = self.all_gather(torch.tensor([len(payload)], dtype=torch.int64), group)[:, 0].tolist()
+        blob = self.all_gather(_padded(payload, max(sizes)), group)
+        return [pickle.loads(row[:n].numpy().tobytes()) for row, n in zip(blob, sizes)]
+
+    def broadcast_object(self, obj: Any, src: int = 0, group: Any = None) -> Any:
+        """``src``'s ``obj`` on every replica; the others' objects are not sent."""
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.global_rank == src else b""
+        size = int(self.all_gather(torch.tensor([len(payload)], dtype=torch.int64), group)[src, 0])
+        return pickle.loads(self.broadcast(_padded(payload, size), src, group).numpy().tobytes())
+
+    def barrier(self, name: Optional[str] = None, group: Any = None) -> None:
+        self.all_reduce(torch.zeros(1), "sum", group)
+
+
+def _bits(tensor: Tensor) -> Tensor:
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    return tensor.contiguous().view(_BITS[tensor.dtype]) if tensor.dtype in _BITS else tensor
+
+
+def _unbits(bits: Tensor, dtype: torch.dtype) -> Tensor:
+    if dtype.is_complex:
+        real = torch.float64 if dtype == torch.complex128 else torch.float32
+        return torch.view_as_complex(bits.view(real).contiguous())
+    return bits.view(dtype) if dtype in _BITS else bits
+
+
+def _padded(payload: bytes, size: int) -> Tensor:
+    out = torch.zeros(size, dtype=torch.uint8)
+    if payload:
+        out[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return out
+
+
+def _device_loader(dataloader: Any, device: torch.device) -> Any:
+    """``dataloader`` wrapped in torch_xla's ``MpDeviceLoader`` (batches prefetched onto ``device``)."""
+    from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+    if isinstance(dataloader, MpDeviceLoader):
+        return dataloader
+    loader = MpDeviceLoader(dataloader, device)
+    loader.dataset = dataloader.dataset  # the DataLoader attributes callers look for
+    loader.batch_sampler = getattr(dataloader, "batch_sampler", None)
+    loader.sampler = getattr(dataloader, "sampler", None)
+    return loader
