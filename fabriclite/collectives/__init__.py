@@ -1,0 +1,122 @@
+"""Collection-aware collectives, written once on top of a strategy's primitives.
+
+Every function takes the strategy first and works on a tensor, a Python number or object, or a nested
+collection of them (dict / OrderedDict / defaultdict / any Mapping, list, tuple, namedtuple, dataclass).
+``Fabric.all_reduce`` & co. forward here.
+
+- One collective per call for small data, one per (dtype) bucket after one small header for large data;
+  never one per leaf, never a barrier before a reduce.
+- Agreement first: every rank sends a fixed-size header (the collective, its op and root, a digest of the
+  collection's structure, byte counts, a local-error flag). A mismatch (different keys, shapes, dtypes,
+  collectives, ops, ``src``) or a local error on one rank (a bad ``reduce_op``, an unpicklable leaf) raises
+  ``CollectiveMismatchError`` (a ValueError) with the same message on every rank, before any data moves;
+  the group stays usable. ``check=False`` skips the header where a call can do without it (a hot loop whose
+  structure you trust): mismatches are then undefined, as with torch.distributed.
+- Dict keys meet by key: two ranks with the same keys in a different insertion order agree; each rank gets
+  back its own container types and key order.
+- Inputs are never modified.
+- Errors after data has started moving (a collective timeout, a lost peer) are fatal for the process group:
+  the strategy raises them and every later collective fails; end and restart the job.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional
+
+from fabriclite.collectives import broadcast as _broadcast
+from fabriclite.collectives import gather as _gather
+from fabriclite.collectives import header as _header
+from fabriclite.collectives import reduce as _reduce
+from fabriclite.collectives import sync as _sync
+from fabriclite.collectives.header import CollectiveMismatchError
+from fabriclite.collectives.state import Context
+from fabriclite.collectives.sync import RankZeroFailed
+from fabriclite.strategies.base import Strategy
+
+__all__ = ["CollectiveMismatchError", "RankZeroFailed", "all_gather", "all_reduce", "barrier", "broadcast",
+           "gather", "rank_zero_first", "reduce"]
+
+
+def barrier(strategy: Strategy, name: Optional[str] = None, group: Any = None, check: bool = True) -> None:
+    """Return once every rank of ``group`` (default: all) has called barrier. ``name`` is informational.
+    Raises CollectiveMismatchError on every rank when another rank called a different collective here."""
+    _sync.barrier(Context(strategy, group), name, check)
+
+
+def broadcast(strategy: Strategy, obj: Any, src: int = 0, group: Any = None, check: bool = True) -> Any:
+    """``obj`` of global rank ``src`` on every rank of ``group``.
+
+    Any picklable object or nested collection; tensors travel as tensors (not pickled) and arrive as plain
+    tensors on each receiver's device (``fabric.device``); ``src`` gets its own ``obj`` back (the same
+    object). What the other ranks pass is ignored. ``src`` out of range is a ValueError (on every rank),
+    ranks passing different ``src`` a CollectiveMismatchError.
+    """
+    ctx = Context(strategy, group)
+    return _broadcast.broadcast(ctx, obj, src, check)
+
+
+def all_gather(strategy: Strategy, data: Any, group: Any = None, sync_grads: bool = False, cat: bool = False,
+               check: bool = True) -> Any:
+    """Every rank's ``data``, leaf by leaf, in group-rank order.
+
+    - A tensor leaf comes back stacked ``(group_size, *shape)``; with ``cat=True`` concatenated along dim 0
+      (``(sum of every rank's dim 0, *shape[1:])``), and then dim 0 may differ between ranks (0-d leaves
+      are stacked). Without ``cat``, different shapes raise CollectiveMismatchError on every rank, listing
+      each rank's shape.
+    - A Python number becomes an exact tensor (bool, int64, float64, complex128) stacked like a tensor.
+    - Any other leaf (a string, an object) comes back as a list of every rank's value.
+    - One process without process groups (SingleDeviceStrategy), as in Lightning: tensors and numbers come
+      back without the stacking dim (a copy; numbers as 0-d tensors), other leaves as a one-item list.
+    - ``sync_grads=True``: differentiable; the backward sums every rank's output gradients into each
+      rank's inputs (every rank must run the backward).
+    """
+    ctx = Context(strategy, group)
+    return _gather.all_gather(ctx, data, sync_grads, cat, check)
+
+
+def all_reduce(strategy: Strategy, data: Any, group: Any = None, reduce_op: Any = "mean",
+               check: bool = True) -> Any:
+    """``data`` reduced leaf by leaf over the ranks of ``group``; the same result on every rank.
+
+    ``reduce_op``: sum, mean (avg), min, max, prod (product), band, bor, bxor in any case, or a
+    ``torch.distributed.ReduceOp``. Tensor and Python-number leaves are reduced: numbers come back as 0-d
+    tensors on ``fabric.device``, exact (int64 / float64 / bool / complex128); integer tensors and ints
+    under mean come back as float (the default dtype for tensors, float64 for ints); bools count under
+    sum (int64) and are all / any under min, prod, band / max, bor. Other leaves are returned unchanged.
+    The input is never modified; results are not differentiable. Every rank must pass the same keys,
+    dtypes and shapes (CollectiveMismatchError otherwise, on every rank); a bad ``reduce_op`` or a dtype
+    the op does not apply to (band on floats) raises CollectiveMismatchError on every rank (ValueError
+    / TypeError when one process runs alone).
+    """
+    ctx = Context(strategy, group)
+    return _reduce.run(ctx, data, reduce_op, check)
+
+
+def gather(strategy: Strategy, data: Any, dst: int = 0, group: Any = None) -> Optional[List[Any]]:
+    """On global rank ``dst``: a list of every rank's ``data`` in group-rank order (tensors on
+    ``fabric.device``, numbers and objects as they were); None on the other ranks.
+
+    Every rank must pass the same structure (keys, dtypes, number of dims); tensor sizes may differ.
+    Built on all_gather (no gather primitive is assumed), so every rank moves every rank's data.
+    """
+    ctx = Context(strategy, group)
+    return _gather.gather(ctx, data, dst)
+
+
+def reduce(strategy: Strategy, data: Any, dst: int = 0, reduce_op: Any = "mean", group: Any = None,
+           check: bool = True) -> Any:
+    """``all_reduce``'s result on global rank ``dst``; None on the other ranks (the reduction itself is
+    an all_reduce: every rank computes it)."""
+    ctx = Context(strategy, group)
+    return _reduce.run(ctx, data, reduce_op, check, kind=_header.REDUCE, dst=dst)
+
+
+@contextmanager
+def rank_zero_first(strategy: Strategy, local: bool = False) -> Iterator[None]:
+    """Rank 0 (with ``local=True``: each node's local rank 0) runs the block first; the others wait for it
+    without a deadline (waiting for a download is not a fault), then run the block. If rank 0's block
+    raises, the waiting ranks raise RankZeroFailed naming rank 0's error instead of running the block
+    or hanging. Uses the job's store (no process group is created per call); without a store, rank 0
+    broadcasts its outcome (then the collective timeout bounds the wait, and ``local`` acts as global)."""
+    with _sync.rank_zero_first(strategy, local):
+        yield

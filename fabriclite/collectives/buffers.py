@@ -1,0 +1,120 @@
+"""Leaves into flat buffers and back: one typed buffer per bucket, byte rows for whole collections, and the
+split of results into per-leaf tensors (views of one buffer, detached copies when the buffer is large)."""
+from __future__ import annotations
+
+import sys
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from fabriclite.collectives.spec import Bucket
+
+_item = Tensor.item
+#: results of a bucket larger than this are copied out leaf by leaf, so one kept leaf does not pin the bucket
+DETACH_BYTES = 1 << 20
+_CPU = torch.device("cpu")
+
+
+def pack(bucket: Bucket, leaves: Sequence[Any], device: torch.device, copy: bool,
+         divisor: Optional[int] = None) -> Tensor:
+    """The bucket's leaves (canonical order) as one flat ``bucket.wire`` tensor on ``device``, divided by
+    ``divisor`` when given. ``copy=False`` may return a view of the caller's single tensor (never to be
+    written to)."""
+    items = bucket.take(leaves)
+    wire, mode = bucket.wire, bucket.mode
+    if mode == "numbers":
+        buf = torch.tensor(items, dtype=wire, device=device)
+    elif mode == "scalars":
+        buf = torch.tensor(list(map(_item, items)), dtype=wire)
+        if device != _CPU:
+            buf = buf.to(device)
+    elif mode == "single":
+        flat = items[0].reshape(-1)
+        if divisor is not None:
+            return torch.div(flat, divisor).to(device=device, dtype=wire)
+        if flat.dtype != wire or flat.device != device:
+            return flat.to(device=device, dtype=wire)
+        return flat.clone() if copy else flat
+    else:
+        buf = torch.cat([_flat(x, wire, device) for x in items])
+    if divisor is not None:
+        buf.div_(divisor)
+    return buf
+
+
+def _flat(x: Any, wire: torch.dtype, device: torch.device) -> Tensor:
+    if isinstance(x, Tensor):
+        return x.reshape(-1).to(device=device, dtype=wire)
+    return torch.tensor([x], dtype=wire, device=device)
+
+
+def as_bytes(t: Tensor) -> Tensor:
+    """``t``'s bytes as a flat uint8 tensor (a view when ``t`` is contiguous)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def bucket_rows(rows: Tensor, bucket: Bucket) -> Tensor:
+    """``(size, bucket.numel)`` typed view of the bucket's bytes in every row of ``rows`` (uint8)."""
+    return rows[:, bucket.offset:bucket.offset + bucket.nbytes].view(bucket.wire)
+
+
+def write(dest: Tensor, parts: Sequence[Tuple[int, Tensor]]) -> None:
+    for offset, part in parts:
+        dest[offset:offset + part.numel()].copy_(part)
+
+
+def assemble(parts: Sequence[Tuple[int, Tensor]], length: int, device: torch.device) -> Tensor:
+    """One uint8 row of ``length`` bytes holding ``parts`` ((offset, uint8 tensor)); the part itself when
+    it is the whole row (no copy)."""
+    if len(parts) == 1 and parts[0][0] == 0 and parts[0][1].numel() == length and parts[0][1].device == device:
+        return parts[0][1]
+    row = torch.empty(length, dtype=torch.uint8, device=device)
+    write(row, parts)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------- results
+def split_flat(flat: Tensor, bucket: Bucket) -> Sequence[Tensor]:
+    """A reduced bucket ``(numel,)`` as one tensor per leaf (canonical order), shaped like the leaves."""
+    if bucket.mode in ("scalars", "numbers"):
+        return flat.unbind()
+    if bucket.mode == "single":
+        return (flat.view(bucket.shapes[0]),)
+    pieces = [p.view(s) for p, s in zip(flat.split(bucket.numels), bucket.shapes)]
+    if flat.numel() * flat.element_size() > DETACH_BYTES:
+        pieces = [p.clone() for p in pieces]
+    return pieces
+
+
+def split_stacked(region: Tensor, bucket: Bucket) -> Sequence[Tensor]:
+    """A gathered bucket ``(size, numel)`` as one contiguous ``(size, *shape)`` tensor per leaf."""
+    size = region.shape[0]
+    if bucket.mode in ("scalars", "numbers"):
+        return region.t().contiguous().unbind()
+    if bucket.mode == "single":
+        return (region.reshape(size, *bucket.shapes[0]).contiguous(),)
+    out, start = [], 0
+    for numel, shape in zip(bucket.numels, bucket.shapes):
+        out.append(region[:, start:start + numel].reshape(size, *shape).contiguous())
+        start += numel
+    return out
+
+
+def place(outs: List[Any], ids: Sequence[int], pieces: Sequence[Any]) -> None:
+    """``outs[ids[k]] = pieces[k]``."""
+    for i, piece in zip(ids, pieces):
+        outs[i] = piece
+
+
+def to_devices(outs: List[Any], ids: Sequence[int], devices: Sequence[Optional[torch.device]],
+               here: torch.device) -> None:
+    """Move results whose leaf lived on another device than ``here`` back to that device."""
+    for i, device in zip(ids, devices):
+        if device is not None and device != here:
+            outs[i] = outs[i].to(device)
+
+
+def refcount_free(views: Sequence[Tensor]) -> bool:
+    """True when nothing but ``views``' own container refers to any of them."""
+    return set(map(sys.getrefcount, views)) == {2}

@@ -1,0 +1,194 @@
+"""all_gather and gather over nested collections.
+
+Each rank lays its collection out as one byte row: the varying dims (int64 words), the fixed buckets (same
+place on every rank), the tensors whose shapes vary, the pickled non-tensor leaves. Small rows ride inline
+in the header exchange (one collective in all); larger ones follow in one primitive all_gather of rows
+padded to the longest.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from fabriclite.collectives import buffers, header
+from fabriclite.collectives.autograd import attach_gather_grads
+from fabriclite.collectives.spec import Layout, Spec, align
+from fabriclite.collectives.state import Context
+from fabriclite.collectives.tree import flatten, rebuild
+
+@dataclass
+class Row:
+    """This rank's row: ``parts`` ((byte offset, uint8 tensor)), its ``length``, the pickled objects' size."""
+
+    parts: List[Tuple[int, Tensor]] = field(default_factory=list)
+    length: int = 0
+    blob: int = 0
+
+
+@dataclass
+class Gathered:
+    """Every rank's row (``rows``: ``(size, L)`` uint8) and meta words."""
+
+    rows: Tensor
+    metas: List[List[int]]
+
+
+def all_gather(ctx: Context, data: Any, sync_grads: bool, cat: bool, check: bool) -> Any:
+    """See ``fabriclite.collectives.all_gather``."""
+    mode = "cat" if cat else "stack"
+    flags = header.FLAG_CAT if cat else 0
+    with torch.no_grad():
+        try:
+            tree, leaves = flatten(data)
+            spec = ctx.state.specs.get(tree, leaves)
+            layout = spec.gather_layout(mode)
+            row = build_row(ctx, layout, leaves)
+        except Exception as err:  # on one rank only, maybe: every rank must hear of it
+            if ctx.size == 1 or not check:
+                raise
+            header.fail(ctx, header.ALL_GATHER, err, flags=flags)
+        got = exchange_rows(ctx, spec, layout, row, header.ALL_GATHER, -1, flags, mode, check)
+        outs, shapes = decode(ctx, spec, layout, leaves, got)
+    if sync_grads and torch.is_grad_enabled():
+        outs = attach_gather_grads(ctx, spec, layout, leaves, outs, shapes)
+    if ctx.single_device:  # Lightning's contract for one process: no stacking dim
+        for bucket in layout.buckets:
+            for i in bucket.ids:
+                outs[i] = outs[i][0]
+    return rebuild(tree, outs, data)
+
+
+def gather(ctx: Context, data: Any, dst: int) -> Optional[List[Any]]:
+    """See ``fabriclite.collectives.gather``."""
+    with torch.no_grad():
+        try:
+            ctx.member_index(dst, f"dst={dst}")
+            tree, leaves = flatten(data)
+            spec = ctx.state.specs.get(tree, leaves)
+            layout = spec.gather_layout("gather")
+            row = build_row(ctx, layout, leaves)
+        except Exception as err:
+            if ctx.size == 1:
+                raise
+            header.fail(ctx, header.GATHER, err, root=dst)
+        got = exchange_rows(ctx, spec, layout, row, header.GATHER, dst, 0, "gather", True)
+        if ctx.strategy.global_rank != dst:
+            return None
+        per_rank = [_decode_var(spec, layout, got, r) for r in range(ctx.size)]
+    out = []
+    for tensors, objects in per_rank:
+        rank_leaves = list(leaves)
+        buffers.place(rank_leaves, layout.var_ids, [t.clone() for t in tensors])
+        buffers.place(rank_leaves, layout.object_ids, objects)
+        out.append(rebuild(tree, rank_leaves, data))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- rows
+def build_row(ctx: Context, layout: Layout, leaves: Sequence[Any]) -> Row:
+    """This rank's row (raises what packing or pickling raises)."""
+    row = Row()
+    if layout.nvar:
+        words = _var_words(layout, leaves)
+        row.parts.append((0, buffers.as_bytes(torch.tensor(words, dtype=torch.int64, device=ctx.device))))
+    for bucket in layout.buckets:
+        packed = buffers.pack(bucket, leaves, ctx.device, copy=False)
+        row.parts.append((bucket.offset, buffers.as_bytes(packed)))
+    offset = layout.fixed_end
+    for i in layout.var_ids:
+        raw = buffers.as_bytes(leaves[i].to(ctx.device))
+        row.parts.append((offset, raw))
+        offset = align(offset + raw.numel())
+    row.length = offset
+    if layout.object_ids:
+        blob = pickle.dumps([leaves[i] for i in layout.object_ids], protocol=pickle.HIGHEST_PROTOCOL)
+        row.parts.append((offset, header.bytes_tensor(blob, ctx.device)))
+        row.blob = len(blob)
+        row.length = offset + len(blob)
+    return row
+
+
+def _var_words(layout: Layout, leaves: Sequence[Any]) -> List[int]:
+    shapes = [leaves[i].shape for i in layout.var_ids]
+    if layout.var_dims == "first":
+        return [s[0] for s in shapes]
+    return [d for s in shapes for d in s]
+
+
+def exchange_rows(ctx: Context, spec: Spec, layout: Layout, row: Row, kind: int, root: int, flags: int,
+                  mode: str, check: bool) -> Gathered:
+    """Every rank's row: inline in the header when every row fits, else one padded primitive all_gather.
+    Raises CollectiveMismatchError on every rank for a disagreement."""
+    if ctx.size == 1:
+        return Gathered(buffers.assemble(row.parts, row.length, ctx.device).view(1, -1), [[0] * header.META_WORDS])
+    if not check and layout.fixed_only:
+        rows = ctx.strategy.all_gather(buffers.assemble(row.parts, align(row.length), ctx.device), ctx.group)
+        return Gathered(rows, [])
+    inline = row.length <= header.capacity(ctx.size)
+    words = header.call_words(kind, root=root, flags=flags, digest=spec.digest(mode), fixed=layout.fixed_end,
+                              nbytes=row.length, inline=int(inline), aux=row.blob)
+    gathered = header.exchange(ctx, words, row.parts if inline else ())
+    hint = {"cat": " (with cat=True, dim 0 may differ)",
+            "stack": " (pass cat=True to concatenate tensors whose dim 0 differs)"}.get(mode, "")
+    metas = header.agree(ctx, gathered, lambda: spec.describe(mode), hint)
+    longest = max(m[header.W_NBYTES] for m in metas)
+    if all(m[header.W_INLINE] for m in metas):
+        return Gathered(header.payload_rows(gathered, longest), metas)
+    mine = buffers.assemble(row.parts, align(longest), ctx.device)
+    return Gathered(ctx.strategy.all_gather(mine, ctx.group), metas)
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+def decode(ctx: Context, spec: Spec, layout: Layout, leaves: Sequence[Any],
+           got: Gathered) -> Tuple[List[Any], List[List[Tuple[int, ...]]]]:
+    """Per-leaf results in the caller's order: stacked ``(size, *shape)`` for fixed leaves, concatenated for
+    var tensors, lists for objects; plus each var tensor's per-rank shapes."""
+    outs = list(leaves)
+    for bucket in layout.buckets:
+        buffers.place(outs, bucket.ids, buffers.split_stacked(buffers.bucket_rows(got.rows, bucket), bucket))
+        if bucket.elsewhere(ctx.device):
+            buffers.to_devices(outs, bucket.ids, bucket.devices, ctx.device)
+    shapes: List[List[Tuple[int, ...]]] = [[] for _ in layout.var_ids]
+    if layout.fixed_only:
+        return outs, shapes
+    per_rank = [_decode_var(spec, layout, got, r) for r in range(got.rows.shape[0])]
+    for k, i in enumerate(layout.var_ids):
+        pieces = [tensors[k] for tensors, _ in per_rank]
+        shapes[k] = [tuple(p.shape) for p in pieces]
+        device = spec.leaves[i].device
+        outs[i] = torch.cat(pieces).to(device if device is not None else ctx.device)
+    for k, i in enumerate(layout.object_ids):
+        outs[i] = [objects[k] for _, objects in per_rank]
+    return outs, shapes
+
+
+def _decode_var(spec: Spec, layout: Layout, got: Gathered, r: int) -> Tuple[List[Tensor], List[Any]]:
+    row = got.rows[r]
+    words = row[: 8 * layout.nvar].view(torch.int64).tolist() if layout.nvar else []
+    tensors, offset, w = [], layout.fixed_end, 0
+    for i in layout.var_ids:
+        leaf = spec.leaves[i]
+        assert leaf.dtype is not None
+        if layout.var_dims == "first":
+            shape: Tuple[int, ...] = (words[w], *leaf.shape[1:])
+            w += 1
+        else:
+            shape = tuple(words[w:w + len(leaf.shape)])
+            w += len(leaf.shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * leaf.dtype.itemsize
+        tensors.append(row[offset:offset + nbytes].view(leaf.dtype).view(shape))
+        offset = align(offset + nbytes)
+    objects: List[Any] = []
+    if layout.object_ids:
+        blob = got.metas[r][header.W_AUX] if got.metas and got.metas[r][header.W_AUX] else None
+        if blob is None:  # one rank (size 1): the row holds only this rank's blob
+            blob = row.numel() - offset
+        objects = pickle.loads(row[offset:offset + blob].cpu().numpy().tobytes())
+    return tensors, objects

@@ -1,0 +1,85 @@
+"""all_reduce and reduce over nested collections: one header exchange (which carries the data itself when
+it is small, every rank then reducing the gathered rows), else one primitive all_reduce per bucket."""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from fabriclite.collectives import buffers, header, ops
+from fabriclite.collectives.spec import Layout
+from fabriclite.collectives.state import Context
+from fabriclite.collectives.tree import flatten, rebuild
+
+
+#: a reduced wire buffer, and whether a mean was already divided while packing
+Reduced = Tuple[Tensor, bool]
+
+
+@torch.no_grad()
+def run(ctx: Context, data: Any, reduce_op: Any, check: bool, kind: int = header.ALL_REDUCE,
+        dst: Optional[int] = None) -> Any:
+    """Reduce ``data`` over ``ctx``'s group (see ``fabriclite.collectives.all_reduce``); for ``kind`` REDUCE
+    only the rank ``dst`` gets the result (None elsewhere)."""
+    root = -1 if dst is None else dst
+    try:
+        tree, leaves = flatten(data)
+        spec = ctx.state.specs.get(tree, leaves)
+        op = ops.parse_reduce_op(reduce_op)
+        ops.check_supported(op, ctx.strategy.supported_reduce_ops)
+        if dst is not None:
+            ctx.member_index(dst, f"dst={dst}")
+        layout = spec.reduce_layout(op)
+        inline = ctx.size > 1 and check and layout.fixed_end <= header.capacity(ctx.size)
+        parts = _row_parts(ctx, layout, leaves) if inline else []
+    except Exception as err:  # on one rank only, maybe: every rank must hear of it
+        if ctx.size == 1 or not check:
+            raise
+        header.fail(ctx, kind, err, root)
+    if ctx.size == 1:
+        reduced = _local(ctx, layout, leaves)
+    elif not check:
+        reduced = _primitive(ctx, layout, leaves, op)
+    else:
+        words = header.call_words(kind, ops.OP_CODES[op], root, digest=spec.digest("reduce"),
+                                  fixed=layout.fixed_end, inline=int(inline))
+        gathered = header.exchange(ctx, words, parts)
+        header.agree(ctx, gathered, lambda: spec.describe("reduce"))
+        if inline:
+            rows = header.payload_rows(gathered, layout.fixed_end)
+            reduced = [(ops.reduce_rows(buffers.bucket_rows(rows, b), op), False) for b in layout.buckets]
+        else:
+            reduced = _primitive(ctx, layout, leaves, op)
+    if dst is not None and ctx.strategy.global_rank != dst:
+        return None
+    return rebuild(tree, _results(ctx, layout, leaves, reduced, op), data)
+
+
+def _row_parts(ctx: Context, layout: Layout, leaves: Sequence[Any]) -> List[Tuple[int, Tensor]]:
+    return [(b.offset, buffers.as_bytes(buffers.pack(b, leaves, ctx.device, copy=False))) for b in layout.buckets]
+
+
+def _local(ctx: Context, layout: Layout, leaves: Sequence[Any]) -> List[Reduced]:
+    """One rank: the reduction of a single row (a copy, with the op's dtype rules)."""
+    return [(buffers.pack(b, leaves, ctx.device, copy=True), False) for b in layout.buckets]
+
+
+def _primitive(ctx: Context, layout: Layout, leaves: Sequence[Any], op: str) -> List[Reduced]:
+    out = []
+    wire_op = ops.primitive_op(op)
+    for bucket in layout.buckets:
+        divisor = ops.predivide(op, bucket.wire, ctx.size)
+        buf = buffers.pack(bucket, leaves, ctx.device, copy=True, divisor=divisor)
+        out.append((ctx.strategy.all_reduce(buf, wire_op, ctx.group), divisor is not None))
+    return out
+
+
+def _results(ctx: Context, layout: Layout, leaves: Sequence[Any], reduced: List[Reduced], op: str) -> List[Any]:
+    outs = list(leaves)
+    for bucket, (buf, divided) in zip(layout.buckets, reduced):
+        flat = ops.finish(buf, op, bucket.result, ctx.size, divided=divided)
+        buffers.place(outs, bucket.ids, buffers.split_flat(flat, bucket))
+        if bucket.elsewhere(ctx.device):
+            buffers.to_devices(outs, bucket.ids, bucket.devices, ctx.device)
+    return outs

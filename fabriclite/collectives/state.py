@@ -1,0 +1,73 @@
+"""Per-strategy state of the collectives (structure caches, header buffers, call counters) and the context
+of one call (the group, its size, this rank's place in it, the device buffers live on)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from fabriclite.collectives.spec import SpecCache
+from fabriclite.strategies.base import Strategy
+
+_ATTR = "_fabriclite_collectives"
+
+
+class State:
+    """Owned by one strategy object (stored on it): nothing is shared between strategies."""
+
+    def __init__(self) -> None:
+        self.specs = SpecCache()
+        self.rank_zero_first_calls = 0
+        self.headers: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor, Optional[Any]]] = {}
+        self.ranks: Dict[Any, List[int]] = {}
+        self.pools: Dict[Any, Any] = {}
+
+
+def state_of(strategy: Strategy) -> State:
+    state = strategy.__dict__.get(_ATTR)
+    if state is None:
+        state = State()
+        setattr(strategy, _ATTR, state)
+    return state
+
+
+class Context:
+    """One collective call: ``group`` (the resolved handle), ``size``, ``index`` (this rank's position in
+    the group), ``device`` (where buffers live: the strategy's root device)."""
+
+    __slots__ = ("strategy", "group", "size", "index", "device", "state")
+
+    def __init__(self, strategy: Strategy, group: Any = None) -> None:
+        self.strategy = strategy
+        self.group = strategy.resolve_group(group)
+        self.size = strategy.group_size(self.group)
+        self.index = strategy.group_rank(self.group) if self.size > 1 else 0
+        self.device = strategy.root_device
+        self.state = state_of(strategy)
+
+    @property
+    def ranks(self) -> List[int]:
+        """Global ranks of the group's members, in group order."""
+        key = (id(self.group), self.size)
+        ranks = self.state.ranks.get(key)
+        if ranks is None:
+            ranks = self.state.ranks[key] = list(self.strategy.group_ranks(self.group))
+        return ranks
+
+    def member_index(self, rank: int, what: str) -> int:
+        """The group position of global ``rank``; ValueError naming ``what`` (``src=5``) when it is not a member."""
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ValueError(f"{what}: expected an int global rank, got {type(rank).__name__}.")
+        ranks = self.ranks
+        try:
+            return ranks.index(rank)
+        except ValueError:
+            where = f"0..{self.size - 1}" if ranks == list(range(self.size)) else f"the group's ranks {ranks}"
+            raise ValueError(f"{what} is out of range: expected a global rank in {where}.") from None
+
+    @property
+    def single_device(self) -> bool:
+        """True for a strategy without process groups (one process, identities as primitives)."""
+        from fabriclite.strategies.single_device import SingleDeviceStrategy
+
+        return isinstance(self.strategy, SingleDeviceStrategy)
