@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import types
 from functools import reduce
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -136,6 +137,7 @@ class HorovodStrategy(Strategy):
         wrapped = hvd.DistributedOptimizer(optimizer, named_parameters=self._named_parameters(optimizer),
                                            backward_passes_per_step=1, op=hvd.Average)
         wrapped.state = optimizer.state
+        wrapped.zero_grad = types.MethodType(_zero_grad, wrapped)  # horovod's takes no set_to_none
         has_state = torch.tensor([int(bool(optimizer.state))], dtype=torch.int32)
         # broadcast_optimizer_state takes an optimizer step to create missing state: only broadcast real state
         if hvd.allreduce(has_state, op=hvd.Max, name="fabriclite.optimizer_has_state").item():
@@ -144,12 +146,19 @@ class HorovodStrategy(Strategy):
         return wrapped
 
     def _named_parameters(self, optimizer: Optimizer) -> List[Tuple[str, nn.Parameter]]:
-        names = {}
-        for i, module in enumerate(self._modules):
-            for name, param in module.named_parameters():
-                names.setdefault(param, f"{i}.{name}" if i else name)
-        return [(names.get(p, f"param_group.{g}.{j}"), p)
-                for g, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])]
+        """Horovod's collective names for ``optimizer``'s parameters (equal on every rank): their names in the most
+        recently set-up module holding them, prefixed by that module's set-up index only where names collide."""
+        plain: Dict[nn.Parameter, str] = {}
+        prefixed: Dict[nn.Parameter, str] = {}
+        for i in reversed(range(len(self._modules))):
+            for name, param in self._modules[i].named_parameters():
+                plain.setdefault(param, name)
+                prefixed.setdefault(param, f"module{i}.{name}")
+        params = [(g, j, p) for g, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])]
+        names = [plain.get(p, f"param_group.{g}.{j}") for g, j, p in params]
+        if len(set(names)) < len(names):
+            names = [prefixed.get(p, f"param_group.{g}.{j}") for g, j, p in params]
+        return [(name, p) for name, (_, _, p) in zip(names, params)]
 
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         """Backward; inside ``no_backward_sync`` the gradients accumulate locally and are averaged with the next
@@ -277,6 +286,14 @@ class HorovodStrategy(Strategy):
 
     def barrier(self, name: Optional[str] = None, group: Any = None) -> None:
         self._hvd().barrier(process_set=self._set(group))
+
+
+def _zero_grad(optimizer: Optimizer, set_to_none: bool = True) -> None:
+    """``Optimizer.zero_grad(set_to_none)``, refused (as Horovod does) while gradient all-reduces are in flight."""
+    if any(handle is not None for handle, _ in optimizer._handles.values()):
+        raise AssertionError("optimizer.zero_grad() was called after backward but before optimizer.step(): the "
+                             "gradient all-reduces are still running. Step (or synchronize) first.")
+    torch.optim.Optimizer.zero_grad(optimizer, set_to_none=set_to_none)
 
 
 def _synchronize(optimizer: Optimizer) -> None:
