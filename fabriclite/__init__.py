@@ -1,5 +1,6 @@
 """fabriclite: turn a plain PyTorch script into a distributed one with one object, ``Fabric``."""
 from fabriclite.fabric import Fabric
+from fabriclite.seed import seed_everything
 
 __version__ = "0.1.0.dev0"
-__all__ = ["Fabric", "__version__"]
+__all__ = ["Fabric", "__version__", "seed_everything"]

@@ -10,11 +10,9 @@ The loader's own ``batch_size`` / ``drop_last`` / workers / collate function are
 from __future__ import annotations
 
 import copy
-import math
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Sized, Union
 
-import torch
 from torch import Tensor
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
                               Sampler, SequentialSampler)
@@ -146,7 +144,7 @@ def gather_eval(strategy: Strategy, data: Any, dataloader: Any) -> Any:
     loader = dataloader.dataloader if isinstance(dataloader, FabricDataLoader) else dataloader
     world = strategy.world_size
     sampler = getattr(loader, "sampler", None)
-    if world == 1 and not isinstance(sampler, DistributedSampler):
+    if world == 1:  # nothing to gather, no padding
         return data
     if not isinstance(sampler, DistributedSampler) or sampler.drop_last or sampler.num_replicas != world:
         raise ValueError("gather_eval() needs the loader returned by setup_dataloaders() (with the default "
@@ -190,7 +188,3 @@ def _set(loader: DataLoader, name: str, value: Any) -> None:
     """Set a DataLoader attribute that DataLoader forbids changing after construction (on our copy)."""
     object.__setattr__(loader, name, value)
 
-
-def num_samples_per_rank(dataset_len: int, world_size: int) -> int:
-    """How many samples each rank gets from a padding DistributedSampler."""
-    return math.ceil(dataset_len / world_size)
