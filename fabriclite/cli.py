@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 from fabriclite.accelerators import ACCELERATORS
 from fabriclite.launchers.output import OutputOptions
 from fabriclite.launchers.subprocess_script import run_supervised
-from fabriclite.launchers.supervisor import Layout
+from fabriclite.launchers.supervisor import Layout, exit_process
 from fabriclite.rendezvous import resolve_timeout
 from fabriclite.strategies import STRATEGIES
 
@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``fabriclite``; returns the job's exit code."""
+    """Entry point of ``fabriclite``: the job's exit code. Called without ``argv`` (the program
+    itself), it exits the process with that code instead of returning."""
     args = _parser().parse_args(argv)
     from fabriclite.connector import CLI_ENV, Connector
 
@@ -68,7 +69,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not (output.prefix or output.log_dir):
         output = OutputOptions.from_env()
     command = [sys.executable, args.script, *args.script_args]
-    return run_supervised(command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env)
+    code = run_supervised(command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env)
+    if argv is None:  # the program itself: end now, without the interpreter's slow teardown of torch
+        exit_process(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -16,18 +16,21 @@ from typing import Any, Dict, List, Optional, Sequence
 
 @dataclass
 class Failure:
-    """One rank that exited non-zero or was killed by a signal (``returncode`` < 0)."""
+    """One rank that exited non-zero, was killed by a signal (``returncode`` < 0), or raised and is
+    still exiting (``returncode`` None; its error file says what it raised)."""
 
     node_rank: int
     global_rank: int
     local_rank: int
-    returncode: int
+    returncode: Optional[int]
     traceback: str = ""
     timestamp: float = field(default_factory=time.time)
     secondary: bool = False
+    #: "ValueError: boom", from the error file
+    error: str = ""
 
     @classmethod
-    def from_exit(cls, node_rank: int, global_rank: int, local_rank: int, returncode: int,
+    def from_exit(cls, node_rank: int, global_rank: int, local_rank: int, returncode: Optional[int],
                   error_file: str, noticed_after_s: float = 0.0) -> "Failure":
         """The failure of a rank that ended with ``returncode``, completed from its error file if it
         wrote one (``noticed_after_s``: how late the exit may have been seen, for the time)."""
@@ -38,31 +41,45 @@ class Failure:
         except (OSError, ValueError):
             return failure
         failure.traceback = record.get("traceback", "")
+        if record.get("exc_type"):
+            failure.error = f"{record['exc_type']}: {record.get('message', '')}".rstrip(": ")
         failure.timestamp = float(record.get("timestamp", failure.timestamp))
         failure.secondary = bool(record.get("secondary", False))
         return failure
 
     def describe(self) -> str:
-        """"rank 1 (local rank 1, node 0) exited with code 3" / "... was killed by SIGKILL"."""
-        how = (f"was killed by {signal_name(-self.returncode)}" if self.returncode < 0
-               else f"exited with code {self.returncode}")
+        """"rank 1 (local rank 1, node 0) raised ValueError: boom (exit code 1)", "... exited with
+        code 3", "... was killed by SIGKILL"."""
+        code = self.returncode
+        if self.error_line:
+            how = f"raised {self.error_line}" + (f" (exit code {code})" if code is not None and code > 0 else "")
+            if code is not None and code < 0:
+                how += f" and was killed by {signal_name(-code)}"
+        elif code is None:
+            how = "raised an exception"
+        else:
+            how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
         return f"rank {self.global_rank} (local rank {self.local_rank}, node {self.node_rank}) {how}"
 
     @property
     def error_line(self) -> str:
-        """The last line of the traceback (``ValueError: boom``), or ""."""
+        """What the rank raised (``ValueError: boom``), or ""."""
+        if self.error:
+            return self.error
         lines = self.traceback.strip().splitlines()
         return lines[-1] if lines else ""
 
     @property
     def exit_code(self) -> int:
         """The code the job exits with when this is its root cause (128 + signal for a signal)."""
-        return self.returncode if self.returncode > 0 else 128 + (-self.returncode if self.returncode < 0 else 1)
+        code = self.returncode
+        if code is None:  # it raised: Python's exit code for an uncaught exception
+            return 1
+        return code if code > 0 else 128 + (-code if code < 0 else 1)
 
     def record(self) -> Dict[str, Any]:
         """What goes into the job's store for the other nodes (see rendezvous.publish_failure)."""
-        message = self.describe() + (f": {self.error_line}" if self.error_line else "")
-        return {"node": self.node_rank, "rank": self.global_rank, "message": message,
+        return {"node": self.node_rank, "rank": self.global_rank, "message": self.describe(),
                 "timestamp": self.timestamp, "secondary": self.secondary}
 
 
@@ -91,10 +108,10 @@ def summarize(failures: Sequence[Failure], remote: Optional[Dict[str, Any]], nod
         lines.append(f"fabriclite: the job failed on node {remote['node']}: {remote['message']}")
         others = list(failures)
     else:
-        lines.append(f"fabriclite: the job failed: {root.describe()}.")
+        lines.append(f"fabriclite: the job failed: {root.describe().rstrip('.')}.")
         others = [f for f in failures if f is not root]
     for f in others:
-        lines.append(f"  also: {f.describe()}" + (f": {f.error_line}" if f.error_line else ""))
+        lines.append(f"  also: {f.describe()}")
     if stopping:
         lines.append(f"  stopping ranks {stopping} on node {node_rank}.")
     shown = root if root.traceback and root not in others else next((f for f in others if f.traceback), None)

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from datetime import timedelta
 from multiprocessing.reduction import DupFd
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fabriclite.launchers.base import Launcher
 from fabriclite.launchers.child import watch_supervisor, write_error_file
@@ -67,7 +67,7 @@ class MultiprocessingLauncher(Launcher):
                 fds = None if pipes is None else (self._pass_fd(pipes[0][1]), self._pass_fd(pipes[1][1]))
                 process = context.Process(
                     target=_entry, args=({**output.child_env(), **child_env}, os.getpid(), result_path, fds,
-                                         function, args, kwargs),
+                                         self._inherited(supervisor), function, args, kwargs),
                     name=f"fabriclite-rank-{rank}",
                 )
                 try:
@@ -94,15 +94,21 @@ class MultiprocessingLauncher(Launcher):
                 return pickle.load(f)
 
 
+    def _inherited(self, supervisor: Supervisor) -> List[int]:
+        """The supervisor's file descriptors a forked rank inherits and must close."""
+        return supervisor.private_fds if self.start_method == "fork" else []
+
     def _pass_fd(self, fd: int) -> Any:
         """``fd`` in a form the child can use: inherited as is by fork, duplicated for spawn."""
         return fd if self.start_method == "fork" else DupFd(fd)
 
 
 def _entry(child_env: Dict[str, str], parent_pid: int, result_path: str, fds: Optional[Tuple[Any, Any]],
-           function: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+           inherited: List[int], function: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
     os.setpgid(0, 0)
     watch_supervisor(parent_pid)
+    for fd in inherited:
+        os.close(fd)
     if fds is not None:
         redirect_output(*(fd if isinstance(fd, int) else fd.detach() for fd in fds))
     os.environ.update(child_env)

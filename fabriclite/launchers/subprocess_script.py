@@ -15,7 +15,7 @@ from fabriclite.launchers.base import Launcher
 from fabriclite.rendezvous import RendezvousError
 from fabriclite.launchers.child import die_with_parent, load_prctl
 from fabriclite.launchers.output import OutputOptions
-from fabriclite.launchers.supervisor import Layout, Supervisor, print_summary
+from fabriclite.launchers.supervisor import Layout, Supervisor, exit_process, print_summary
 
 
 class PopenWorker:
@@ -71,4 +71,4 @@ class SubprocessScriptLauncher(Launcher):
         sys.stdout.flush()
         sys.stderr.flush()
         code = run_supervised(script_command(), layout, env.main_address, env.main_port, self.timeout)
-        raise SystemExit(code)
+        exit_process(code)

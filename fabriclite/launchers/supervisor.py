@@ -12,6 +12,7 @@ the job into one clear ending.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -21,17 +22,20 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Protocol, Set
 
 from fabriclite import rendezvous
 from fabriclite.environments.fabriclite_env import child_env
 from fabriclite.launchers.child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
 from fabriclite.launchers.failures import Failure, remote_is_root, root_cause, signal_name, summarize
 from fabriclite.launchers.output import OutputOptions
+from fabriclite.launchers.reaper import Reaper
 
 POLL_S = 0.05
 #: how long to wait for the root cause when only ranks that lost a peer have been seen failing
 SECONDARY_WAIT_S = 1.0
+#: how long a rank that raised may take to exit by itself before it counts as failed anyway
+RAISED_GRACE_S = 0.25
 REMOTE_POLL_S = 0.5
 #: how long node 0 keeps the store up after a failure, for the other nodes to read it
 LINGER_S = 3.0
@@ -104,11 +108,14 @@ class Supervisor:
         self._store: Any = None
         self._raw_store: Any = None
         self._opening = False
+        self._stopped: Set[int] = set()
+        self._raised_at: Dict[int, float] = {}
+        self._reaper: Optional[Reaper] = None
 
     # ------------------------------------------------------------------ the job's store
     def _open_store(self) -> None:
         if self.layout.node_rank == 0:
-            self._raw_store = rendezvous.host_store("0.0.0.0", self.main_port, self.timeout)
+            self._raw_store = rendezvous.host_store(self.main_address, self.main_port, self.timeout)
             self.main_port = self._raw_store.port
         else:
             self._raw_store = rendezvous.join_store(self.main_address, self.main_port, self.timeout)
@@ -127,6 +134,12 @@ class Supervisor:
             ERROR_FILE_ENV: self._error_file(local_rank), SUPERVISOR_PID_ENV: str(os.getpid()),
         })
         return {**self.extra_env, **values}
+
+    @property
+    def private_fds(self) -> List[int]:
+        """File descriptors a rank must not keep open (a forked rank inherits them: close them)."""
+        fd = self._reaper.fd if self._reaper is not None else None
+        return [] if fd is None else [fd]
 
     def _error_file(self, local_rank: int) -> str:
         return os.path.join(self._tmpdir, f"error-{local_rank}.json")
@@ -149,11 +162,14 @@ class Supervisor:
             return code
         finally:
             self._stop_all()
+            if self._reaper is not None:
+                self._reaper.close()
             restore()
             self.output.close()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     def _open_and_watch(self, start: Callable[[int, Dict[str, str]], Worker]) -> int:
+        self._reaper = Reaper()
         self._opening = True
         try:
             self._open_store()
@@ -162,7 +178,8 @@ class Supervisor:
         finally:
             self._opening = False
         for local_rank in range(self.layout.local_world_size):
-            self._workers[local_rank] = start(local_rank, self.child_env(local_rank))
+            worker = self._workers[local_rank] = start(local_rank, self.child_env(local_rank))
+            self._reaper.watch(worker.pid)  # each rank leads its own process group
         return self._watch()
 
     def _watch(self) -> int:
@@ -187,10 +204,19 @@ class Supervisor:
         return 0
 
     def _poll(self, running: Dict[int, Worker], failures: List[Failure]) -> None:
+        """Move ranks that ended, or that raised (their error file exists) and are still exiting
+        after RAISED_GRACE_S (an interpreter with torch takes a second or more to exit), from
+        ``running`` to ``failures`` (exit 0 is no failure)."""
+        now = time.monotonic()
         for local_rank, worker in list(running.items()):
             code = worker.poll()
             if code is None:
-                continue
+                if local_rank not in self._raised_at:
+                    if os.path.exists(self._error_file(local_rank)):
+                        self._raised_at[local_rank] = now
+                    continue
+                if now - self._raised_at[local_rank] < RAISED_GRACE_S:
+                    continue
             del running[local_rank]
             if code != 0:
                 failures.append(Failure.from_exit(self.layout.node_rank, self.layout.global_rank(local_rank),
@@ -209,7 +235,9 @@ class Supervisor:
 
     def _fail(self, failures: List[Failure]) -> int:
         remote = rendezvous.read_failure(self._store) if self.layout.num_nodes > 1 else None
-        stopping = [self.layout.global_rank(r) for r, w in self._workers.items() if w.poll() is None]
+        failed = {f.local_rank for f in failures}
+        stopping = [self.layout.global_rank(r) for r, w in self._workers.items()
+                    if r not in failed and w.poll() is None]
         self.summary = summarize(failures, remote, self.layout.node_rank, stopping)
         root = root_cause(failures)
         if remote_is_root(remote, root, self.layout.node_rank):
@@ -246,16 +274,22 @@ class Supervisor:
 
     # ------------------------------------------------------------------ stopping
     def _stop_all(self) -> None:
-        alive = [w for w in self._workers.values() if w.poll() is None]
+        """SIGTERM every rank's process group, SIGKILL what is left after the grace period (the
+        ranks' own children included), reap the ranks. Idempotent."""
+        workers = [w for w in self._workers.values() if w.pid not in self._stopped]
+        alive = [w for w in workers if w.poll() is None]
         for worker in alive:
             _kill_group(worker.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         while any(w.poll() is None for w in alive) and time.monotonic() < deadline:
             time.sleep(0.02)
-        for worker in self._workers.values():  # anything left, grandchildren included
+        for worker in workers:  # anything left, grandchildren included
             _kill_group(worker.pid, signal.SIGKILL)
-        for worker in self._workers.values():
+        for worker in workers:
             _reap(worker)
+            self._stopped.add(worker.pid)
+            if self._reaper is not None:
+                self._reaper.forget(worker.pid)
 
     def _install_signal_handlers(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():
@@ -297,6 +331,18 @@ def _reap(worker: Worker) -> None:
     deadline = time.monotonic() + 5
     while worker.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this (supervisor) process with ``code`` now: run the atexit handlers and flush stdio, but
+    skip the interpreter's teardown of torch's modules (a second or more on a busy machine)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+    os._exit(code)
 
 
 def print_summary(summary: str) -> None:

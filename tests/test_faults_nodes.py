@@ -1,0 +1,115 @@
+"""Faults across nodes and at rendezvous, with real processes: two ``fabriclite run`` nodes on
+127.0.0.1 where one node's rank fails, ranks that never arrive, a main port in use, a main address
+where nobody answers. Each job ends within its bound with an error naming the node, rank, address
+or port, and leaves no process behind."""
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from test_faults import (END_BOUND_S, Job, assert_failed_fast, assert_nothing_left, cli_job, kill_tree, living,
+                         run_jobs, script_job)
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def node(tmp: Path, name: str, node_rank: int, port: int, fail_rank: int) -> Job:
+    args = ["--accelerator", "cpu", "--devices", "1", "--num-nodes", "2", "--node-rank", str(node_rank),
+            "--main-address", "127.0.0.1", "--main-port", str(port), "--timeout", "60"]
+    return cli_job(tmp, name, "raise", args, env={"FAIL_RANK": str(fail_rank)})
+
+
+@pytest.fixture(scope="module")
+def node_jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Job]:
+    tmp = tmp_path_factory.mktemp("faults_nodes")
+    busy = socket.socket()
+    busy.bind(("0.0.0.0", 0))
+    busy.listen()
+    busy_port = busy.getsockname()[1]
+    port_a, port_b, port_c, closed = free_port(), free_port(), free_port(), free_port()
+    jobs: List[Job] = [
+        node(tmp, "a_node0", 0, port_a, fail_rank=1),  # node 1's rank fails
+        node(tmp, "a_node1", 1, port_a, fail_rank=1),
+        node(tmp, "b_node0", 0, port_b, fail_rank=0),  # node 0's rank fails: node 0 hosts the store
+        node(tmp, "b_node1", 1, port_b, fail_rank=0),
+        cli_job(tmp, "never_arrive", "raise", ["--accelerator", "cpu", "--devices", "1", "--num-nodes", "2",
+                                                "--node-rank", "0", "--main-port", str(port_c), "--timeout", "4"]),
+        cli_job(tmp, "no_main", "raise", ["--accelerator", "cpu", "--devices", "1", "--num-nodes", "2",
+                                           "--node-rank", "1", "--main-address", "127.0.0.1",
+                                           "--main-port", str(closed), "--timeout", "3"]),
+        script_job(tmp, "port_in_use", "raise", env={"MASTER_PORT": str(busy_port)}),
+    ]
+    started = time.time()
+    try:
+        run_jobs(jobs, at_once=4)  # the two nodes of a job start together
+    except BaseException:
+        for job in jobs:
+            kill_tree(job)
+        raise
+    finally:
+        busy.close()
+    for job in jobs:
+        print(job.summary_line())
+    print(f"{len(jobs)} jobs in {time.time() - started:.1f} s")
+    return {job.name: job for job in jobs}
+
+
+@pytest.mark.parametrize("job_name, failed_node", [("a", 1), ("b", 0)])
+def test_a_rank_failing_on_one_node_ends_both_nodes(node_jobs: Dict[str, Job], job_name: str,
+                                                     failed_node: int) -> None:
+    failed = node_jobs[f"{job_name}_node{failed_node}"]
+    other = node_jobs[f"{job_name}_node{1 - failed_node}"]
+    rank = failed_node  # one rank per node
+    fault_at = failed.fault_at
+    for job in (failed, other):
+        assert job.returncode not in (0, None), job.output
+        assert job.ended - fault_at < END_BOUND_S, f"{job.name} ended {job.ended - fault_at:.1f} s after the fault"
+    assert f"fabriclite: the job failed: rank {rank} (local rank 0, node {failed_node}) raised ValueError: rank " \
+           f"{rank} fails on purpose" in "".join(failed.err), failed.output
+    # the other node names the failed node and rank, not only a socket error
+    other_err = "".join(other.err)
+    assert f"the job failed on node {failed_node}: rank {rank} (local rank 0, node {failed_node}) raised " \
+           f"ValueError: rank {rank} fails on purpose" in other_err, other.output
+    for job in (failed, other):
+        assert_nothing_left(job)
+
+
+def test_ranks_that_never_arrive_are_named(node_jobs: Dict[str, Job]) -> None:
+    job = node_jobs["never_arrive"]
+    assert job.returncode == 1, job.output
+    err = "".join(job.err)
+    assert "ranks [1] of 2 never joined the rendezvous at 127.0.0.1:" in err and "within 4 s" in err, job.output
+    waited = job.ended - max(r["before_launch"] for r in job.records if "before_launch" in r)
+    assert 4 <= waited < 4 + END_BOUND_S, job.output
+    assert_nothing_left(job)
+
+
+def test_a_main_address_where_nobody_answers(node_jobs: Dict[str, Job]) -> None:
+    job = node_jobs["no_main"]
+    assert job.returncode == 1, job.output
+    err = "".join(job.err)
+    assert "could not reach the rendezvous store at 127.0.0.1:" in err and "(timeout 3 s)" in err, job.output
+    assert "Traceback" not in err, job.output  # one clear line, not a stack
+    assert job.ended - job.started < 3 + END_BOUND_S, job.output
+    assert not job.ranks  # no rank was started
+    assert not living([job.proc.pid])  # type: ignore[union-attr]
+
+
+def test_the_main_port_in_use(node_jobs: Dict[str, Job]) -> None:
+    job = node_jobs["port_in_use"]
+    assert job.returncode == 1, job.output
+    err = "".join(job.err)
+    assert "fabriclite: main port" in err and "on 127.0.0.1 is already in use by another process" in err, job.output
+    assert "Traceback" not in err, job.output
+    assert not job.ranks  # no rank was started
+    assert not living([job.proc.pid])  # type: ignore[union-attr]
