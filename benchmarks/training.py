@@ -150,6 +150,9 @@ def main() -> None:
     if args.worker == "fabriclite":
         return worker_fabric("fabriclite", args)
     if args.worker == "lightning":
+        # Lightning's MPI detection imports mpi4py and calls MPI_Init, which aborts on machines that have mpi4py
+        # but no MPI launcher; this benchmark never runs under MPI, so hide mpi4py from it.
+        sys.modules.setdefault("mpi4py", None)  # type: ignore[arg-type]
         return worker_fabric("lightning.fabric", args)
     if args.worker == "ddp":
         return worker_ddp(args)
