@@ -41,8 +41,14 @@ class OutputOptions:
         return self.prefix or self.log_dir is not None
 
     def child_env(self) -> Dict[str, str]:
-        """Variables for a captured rank: Python output unbuffered, so lines arrive as printed."""
-        return {"PYTHONUNBUFFERED": "1"} if self.captures and "PYTHONUNBUFFERED" not in os.environ else {}
+        """Variables for a captured rank: Python output unbuffered, so lines arrive as printed, and
+        $FABRICLITE_RANK_PREFIX when lines are prefixed (see ``prefixed_by_supervisor``)."""
+        env = {}
+        if self.captures and "PYTHONUNBUFFERED" not in os.environ:
+            env["PYTHONUNBUFFERED"] = "1"
+        if self.prefix:
+            env[PREFIX_ENV] = "1"
+        return env
 
     def popen_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments for ``subprocess.Popen`` so that ``attach(rank, process)`` can forward."""
@@ -91,6 +97,12 @@ class OutputOptions:
             f.close()
         self._threads.clear()
         self._files.clear()
+
+
+def prefixed_by_supervisor() -> bool:
+    """In a rank: whether the supervisor prefixes each of its lines with ``[rank N]`` (so the rank
+    should not add a prefix of its own, as torch's excepthook does)."""
+    return os.environ.get(PREFIX_ENV, "").lower() in _TRUE
 
 
 def redirect_output(stdout_fd: int, stderr_fd: int) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, ContextManager, Dict, List, Literal, Optional, Tuple, Union
@@ -14,6 +15,7 @@ from torch.optim import Optimizer
 
 from fabriclite import rendezvous
 from fabriclite.strategies.base import Strategy
+from fabriclite.launchers.output import prefixed_by_supervisor
 from fabriclite.strategies.progress import CollectiveWatch
 
 _OPS = {
@@ -142,8 +144,11 @@ class DDPStrategy(Strategy):
         kwargs: Dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = self.root_device
+        excepthook = sys.excepthook
         dist.init_process_group(backend, store=dist.PrefixStore("pg/", store), rank=rank, world_size=world,
                                 timeout=self.timeout, **kwargs)
+        if prefixed_by_supervisor():  # lines carry "[rank N]" already: no "[rankN]:" from torch's excepthook
+            sys.excepthook = excepthook
         self._owns_group = True
         self._start_watch(rank, world)
 
