@@ -39,12 +39,18 @@ def pjrt_device() -> str:
 def _tpu_devices() -> int:
     if importlib.util.find_spec("torch_xla") is None:
         return 0
+    saved = os.environ.get("PJRT_DEVICE")
     try:
         from torch_xla._internal import tpu
 
         return int(tpu.num_available_devices())
     except Exception:  # noqa: BLE001 - probing hardware must never break "auto"
         return 0
+    finally:  # importing torch_xla sets PJRT_DEVICE=CPU when it finds no TPU: a probe must not choose for the user
+        if saved is None:
+            os.environ.pop("PJRT_DEVICE", None)
+        else:
+            os.environ["PJRT_DEVICE"] = saved
 
 
 class XLAAccelerator(Accelerator):
@@ -58,8 +64,9 @@ class XLAAccelerator(Accelerator):
     name = "tpu"
 
     def __init__(self) -> None:
+        kind = pjrt_device()  # before importing torch_xla, which defaults PJRT_DEVICE to CPU on a CPU host
         import_xla()
-        if not pjrt_device():
+        if not kind:
             raise ValueError("accelerator='tpu' found no TPU on this machine and PJRT_DEVICE is not set. On a TPU VM "
                              "check that the chips are visible; to run XLA on the CPU (for testing) set "
                              "PJRT_DEVICE=CPU (and CPU_NUM_DEVICES=N for N devices).")

@@ -41,6 +41,15 @@ def xla_sync() -> None:
         xm.mark_step()
 
 
+def _launch(tensors: List[Tensor]) -> None:
+    """Compile and start the graph of ``tensors`` alone (not every live tensor, as ``mark_step`` would), one thread
+    at a time, without waiting: each replica's graph is then the same collective, compiled once per process."""
+    import torch_xla
+
+    with _SYNC_LOCK:
+        torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=False)
+
+
 def _to_cpu(data: Any) -> Any:
     from lightning_utilities.core.apply_func import apply_to_collection
 
@@ -51,6 +60,25 @@ class _XLAMixin:
     """What single- and multi-device XLA share: the optimizer step, no-op gradient sync, checkpoints on the CPU."""
 
     precision: Any
+    root_device: torch.device
+
+    def module_to_device(self, module: nn.Module) -> nn.Module:
+        """Moves ``module``; XLA copies parameters rather than moving them in place, so the copies are remembered
+        and optimizers set up next are pointed at them (and their state re-keyed)."""
+        before = dict(module.named_parameters())
+        module = module.to(self.root_device)
+        after = dict(module.named_parameters())
+        self._moved_params = {old: after[name] for name, old in before.items() if name in after}
+        return module
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        moved = getattr(self, "_moved_params", {})
+        for group in optimizer.param_groups:
+            group["params"] = [moved.get(p, p) for p in group["params"]]
+        state = dict(optimizer.state)
+        optimizer.state.clear()
+        optimizer.state.update({moved.get(p, p): v for p, v in state.items()})
+        return optimizer
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """``xm.optimizer_step`` (gradients averaged over the replicas, then the step), then a sync."""
@@ -188,10 +216,11 @@ class XLAStrategy(_XLAMixin, Strategy):
     def _reduce(self, tensor: Tensor, op: str) -> Tensor:
         """``xm.all_reduce`` of a materialised copy of ``tensor`` in a graph of its own; the result on the CPU."""
         xm = import_xla()
-        data = tensor.detach().cpu()  # runs the pending work that made ``tensor`` in a graph without collectives
+        with _SYNC_LOCK:  # runs the pending work that made ``tensor`` in a graph without collectives
+            data = tensor.detach().cpu()
         out = xm.all_reduce(_XM_OPS[op], data.to(self.root_device))
-        xla_sync()
-        return out.cpu()
+        _launch([out])
+        return out.cpu()  # waits for the other replicas: never under the lock
 
     def all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
         """Every replica gets the reduction, on ``tensor``'s device: sum, prod, min, max in XLA (bool, 8/16-bit
@@ -221,8 +250,10 @@ class XLAStrategy(_XLAMixin, Strategy):
 
         if xr.addressable_device_count() == 1:
             xm = import_xla()
-            out = xm.all_gather(tensor.detach().cpu().unsqueeze(0).to(self.root_device), dim=0)
-            xla_sync()
+            with _SYNC_LOCK:
+                data = tensor.detach().cpu()
+            out = xm.all_gather(data.unsqueeze(0).to(self.root_device), dim=0)
+            _launch([out])
             return out.cpu().to(tensor.device)
         bits = _bits(tensor.detach().cpu())
         rows = torch.zeros((self.world_size, *bits.shape), dtype=bits.dtype)
