@@ -46,7 +46,7 @@ def unavailable_reason() -> Optional[str]:
     for tool, package in (("ip", "iproute2"), ("unshare", "util-linux")):
         if shutil.which(tool) is None:
             return f"`{tool}` not found: install {package}"
-    probe = f"flprobe{os.getpid() % 100}"
+    probe = f"flprobe{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     if made.returncode != 0:
