@@ -14,7 +14,7 @@ import pytest
 from cluster import Cluster, sweep, unavailable_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow,
-              pytest.mark.skipif(bool(unavailable_reason()), reason=f"network namespaces: {unavailable_reason()}")]
+              pytest.mark.skipif(bool(unavailable_reason()), reason=f"multi-node tests need network namespaces: {unavailable_reason()}")]
 
 CHILD = Path(__file__).with_name("child_session.py")
 
