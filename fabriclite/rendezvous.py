@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Union
@@ -92,15 +93,28 @@ def join_store(address: str, port: int, timeout: timedelta) -> TCPStore:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
     connect_s = min(max(deadline - time.monotonic(), 1.0), 10.0)
-    try:
-        store = TCPStore(address, port, None, False, timedelta(seconds=connect_s))
-    except (RuntimeError, OSError) as err:
-        raise RendezvousError(
-            f"fabriclite: something answers at {address}:{port}, but it is not a rendezvous store that accepted "
-            f"this client ({err}). Check --main-address / --main-port (MASTER_ADDR / MASTER_PORT)."
-        ) from err
+    wrong = (f"fabriclite: something answers at {address}:{port}, but it is not a rendezvous store that accepted "
+             f"this client{{}}. Check --main-address / --main-port (MASTER_ADDR / MASTER_PORT).")
+    # TCPStore's handshake can wait forever on a server that accepts and never answers: bound it here
+    result: List[Any] = []
+    thread = threading.Thread(target=_connect, args=(address, port, connect_s, result), daemon=True,
+                              name="fabriclite-store-connect")
+    thread.start()
+    thread.join(connect_s + 1.0)
+    if not result:
+        raise RendezvousError(wrong.format(f" (no answer to the handshake within {connect_s + 1:.0f} s)"))
+    if isinstance(result[0], BaseException):
+        raise RendezvousError(wrong.format(f" ({result[0]})")) from result[0]
+    store = result[0]
     store.set_timeout(timeout)
     return store
+
+
+def _connect(address: str, port: int, timeout_s: float, result: List[Any]) -> None:
+    try:
+        result.append(TCPStore(address, port, None, False, timedelta(seconds=timeout_s)))
+    except (RuntimeError, OSError) as err:
+        result.append(err)
 
 
 def port_in_use(address: str, port: int) -> bool:

@@ -48,6 +48,9 @@ def node_jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Job]:
                                            "--node-rank", "1", "--main-address", "127.0.0.1",
                                            "--main-port", str(closed), "--timeout", "3"]),
         script_job(tmp, "port_in_use", "raise", env={"MASTER_PORT": str(busy_port)}),
+        cli_job(tmp, "not_a_store", "raise", ["--accelerator", "cpu", "--devices", "1", "--num-nodes", "2",
+                                               "--node-rank", "1", "--main-address", "127.0.0.1",
+                                               "--main-port", str(busy_port), "--timeout", "3"]),
     ]
     started = time.time()
     try:
@@ -113,3 +116,14 @@ def test_the_main_port_in_use(node_jobs: Dict[str, Job]) -> None:
     assert "Traceback" not in err, job.output
     assert not job.ranks  # no rank was started
     assert not living([job.proc.pid])  # type: ignore[union-attr]
+
+
+def test_a_main_port_where_something_else_listens(node_jobs: Dict[str, Job]) -> None:
+    # a server that accepts connections and never answers (the wrong --main-port): bounded, named
+    job = node_jobs["not_a_store"]
+    assert job.returncode == 1, job.output
+    err = "".join(job.err)
+    assert "fabriclite: something answers at 127.0.0.1:" in err and "but it is not a rendezvous store" in err, \
+        job.output
+    assert job.ended - job.started < 3 + END_BOUND_S, job.output
+    assert not job.ranks
