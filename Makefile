@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(PY) examples/demo.py
 
+include mk/backends.mk
+
 test-core: venv
 	$(PY) -m pytest -q tests
 
