@@ -52,6 +52,12 @@ def test_the_root_cause_is_the_earliest_failure_that_is_not_a_lost_peer(tmp_path
     assert killed.exit_code == 128 + signal.SIGKILL and lost.exit_code == 1
 
 
+def test_ranks_that_left_early_are_named() -> None:
+    lost = Failure(0, 0, 0, 1, secondary=True, error="PeerLost: barrier #2 failed on rank 0")
+    summary = summarize([lost], None, 0, stopping=[], finished=[1])
+    assert "  ranks [1] on node 0 had already exited with code 0" in summary
+
+
 def test_a_rank_that_raised_and_is_still_exiting(tmp_path) -> None:
     path = tmp_path / "error-1.json"
     try:
@@ -172,9 +178,12 @@ def test_a_lost_peer_and_other_errors(store) -> None:
     key, number = watch.enter("broadcast", "group-a", lambda group: [0, 1])
     assert watch.failed("broadcast", key, number, RuntimeError("Tensors must be contiguous")) is None
     assert watch.broken is None  # not a communication failure: the group is still usable
+    # rank 0 left (its thread's last record says so), before entering this broadcast
+    store.set("progress/0", json.dumps({"counts": {}, "time": time.time(), "left": True}))
     error = watch.failed("broadcast", key, number, RuntimeError("Connection closed by peer [127.0.0.1]:1"))
     assert isinstance(error, PeerLost) and error.secondary
-    assert "broadcast #1 failed on rank 1: another rank of the group is gone" in str(error)
+    assert "broadcast #1 failed on rank 1: another rank of the group is gone; ranks [0] had not " \
+           "entered it (rank 0: left the group)" in str(error)
 
 
 def test_counting_a_collective_is_cheap(store) -> None:

@@ -98,9 +98,10 @@ def remote_is_root(remote: Optional[Dict[str, Any]], local_root: Failure, node_r
 
 
 def summarize(failures: Sequence[Failure], remote: Optional[Dict[str, Any]], node_rank: int,
-              stopping: List[int]) -> str:
-    """The job's one summary: the root cause first, the other failed ranks, the ranks being stopped,
-    and the root cause's traceback."""
+              stopping: List[int], finished: Sequence[int] = ()) -> str:
+    """The job's one summary: the root cause first, the other failed ranks, the ranks that had
+    already exited with code 0 (``finished``: leaving early breaks the others' collectives), the
+    ranks being stopped, and the root cause's traceback."""
     root = root_cause(failures)
     lines: List[str] = []
     if remote_is_root(remote, root, node_rank):
@@ -112,6 +113,9 @@ def summarize(failures: Sequence[Failure], remote: Optional[Dict[str, Any]], nod
         others = [f for f in failures if f is not root]
     for f in others:
         lines.append(f"  also: {f.describe()}")
+    if finished:
+        lines.append(f"  ranks {list(finished)} on node {node_rank} had already exited with code 0 (a rank that "
+                     f"leaves while the others still run collectives makes them fail).")
     if stopping:
         lines.append(f"  stopping ranks {stopping} on node {node_rank}.")
     shown = root if root.traceback and root not in others else next((f for f in others if f.traceback), None)

@@ -110,6 +110,7 @@ class Supervisor:
         self._opening = False
         self._stopped: Set[int] = set()
         self._raised_at: Dict[int, float] = {}
+        self._finished: List[int] = []
         self._reaper: Optional[Reaper] = None
 
     # ------------------------------------------------------------------ the job's store
@@ -218,7 +219,9 @@ class Supervisor:
                 if now - self._raised_at[local_rank] < RAISED_GRACE_S:
                     continue
             del running[local_rank]
-            if code != 0:
+            if code == 0:
+                self._finished.append(self.layout.global_rank(local_rank))
+            else:
                 failures.append(Failure.from_exit(self.layout.node_rank, self.layout.global_rank(local_rank),
                                                   local_rank, code, self._error_file(local_rank), POLL_S))
 
@@ -238,7 +241,7 @@ class Supervisor:
         failed = {f.local_rank for f in failures}
         stopping = [self.layout.global_rank(r) for r, w in self._workers.items()
                     if r not in failed and w.poll() is None]
-        self.summary = summarize(failures, remote, self.layout.node_rank, stopping)
+        self.summary = summarize(failures, remote, self.layout.node_rank, stopping, self._finished)
         root = root_cause(failures)
         if remote_is_root(remote, root, self.layout.node_rank):
             return 1

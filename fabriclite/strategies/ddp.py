@@ -158,6 +158,7 @@ class DDPStrategy(Strategy):
         assert self._store is not None
         try:
             publish_store = self._store.clone()
+            publish_store.set_timeout(timedelta(seconds=10))  # never hold up a rank's exit for long
         except (AttributeError, RuntimeError):
             publish_store = self._store
         self._watch = CollectiveWatch(self._store, rank, world, self.timeout.total_seconds(), publish_store)

@@ -109,14 +109,19 @@ class CollectiveWatch:
             self._thread = None
 
     def _publish_loop(self) -> None:
-        key = f"progress/{self.rank}"
         while not self._stop.wait(self.interval):
-            record = {"counts": {_label(k): [n, self.names.get(k, "")] for k, n in list(self.counts.items())},
-                      "time": time.time()}
-            try:
-                self._publish_store.set(key, json.dumps(record))
-            except RuntimeError:  # the store is gone: the supervisor is ending the job
+            if not self._publish(left=False):
                 return
+        self._publish(left=True)  # this rank leaves the group: say so, with its last counts
+
+    def _publish(self, left: bool) -> bool:
+        record = {"counts": {_label(k): [n, self.names.get(k, "")] for k, n in list(self.counts.items())},
+                  "time": time.time(), "left": left}
+        try:
+            self._publish_store.set(f"progress/{self.rank}", json.dumps(record))
+            return True
+        except RuntimeError:  # the store is gone: the supervisor is ending the job
+            return False
 
     # ------------------------------------------------------------------ failures
     def failed(self, name: str, key: Tuple[int, ...], number: int, err: BaseException) -> Optional[CollectiveError]:
@@ -153,7 +158,14 @@ class CollectiveWatch:
     def _peer_lost(self, name: str, key: Tuple[int, ...], number: int, err: BaseException) -> PeerLost:
         what = _what(name, key, number, self.world)
         report = self._supervisor_report()
-        cause = f"the job's supervisor reports: {report}" if report else f"({err})"
+        if report:
+            cause = f"the job's supervisor reports: {report}"
+        else:
+            behind = self._behind(key, number)
+            cause = f"({err})"
+            if behind:
+                cause = (f"ranks {[r for r, _ in behind]} had not entered it "
+                         f"({'; '.join(f'rank {r}: {desc}' for r, desc in behind)}) {cause}")
         message = f"fabriclite: {what} failed on rank {self.rank}: another rank of the group is gone; {cause}. " \
                   f"{FATAL_ADVICE}"
         return PeerLost(message, name, number, key)
@@ -183,9 +195,11 @@ class CollectiveWatch:
                 count, last = record["counts"].get(label, [0, ""])
                 if count >= number:
                     continue
-                desc = f"last collective #{count} ({last})" if count else "no collective entered yet"
+                desc = f"last collective #{count} ({last})" if count else "no collective reported yet"
                 age = time.time() - record["time"] if record["time"] is not None else None
-                if age is not None and age > 3 * self.interval:
+                if record.get("left"):
+                    desc = f"left the group after collective #{count}" if count else "left the group"
+                elif age is not None and age > 3 * self.interval:
                     desc += f", silent for {age:.0f} s"
                 behind.append((r, desc))
         except (RuntimeError, ValueError, KeyError, TypeError):
