@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from datetime import timedelta
 from typing import Iterator
@@ -212,3 +213,34 @@ def test_the_reaper_kills_watched_groups_when_its_supervisor_is_gone() -> None:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_a_store_that_is_gone_reads_as_a_failure() -> None:
+    server = rendezvous.host_store("127.0.0.1", 0, timedelta(seconds=5))
+    client = rendezvous.prefixed(rendezvous.join_store("127.0.0.1", server.port, timedelta(seconds=5)),
+                                 rendezvous.KEY_PREFIX)
+    assert rendezvous.read_failure(client) is None
+    del server  # node 0's supervisor ended
+    record = rendezvous.read_failure(client)
+    assert record is not None and "the job's rendezvous store is gone" in record["message"]
+
+
+def test_a_signal_ends_the_wait_for_node_0s_store() -> None:
+    from fabriclite.launchers.supervisor import Layout, Supervisor
+
+    supervisor = Supervisor(Layout(num_nodes=2, node_rank=1, local_world_size=1), "127.0.0.1", free_port(),
+                            timedelta(seconds=60), report=False)
+
+    def interrupt() -> None:
+        while not supervisor._opening:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt)
+    thread.start()
+    start = time.monotonic()
+    code = supervisor.run(lambda local_rank, env: pytest.fail("no rank may start"))
+    thread.join()
+    assert code == 128 + signal.SIGINT and time.monotonic() - start < 5
+    assert supervisor.summary == "fabriclite: stopped every rank on node 1 on SIGINT."
