@@ -2,12 +2,12 @@
 split of results into per-leaf tensors (views of one buffer, detached copies when the buffer is large)."""
 from __future__ import annotations
 
-import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from fabriclite.collectives.pool import POOL_MIN_LEAVES, pool_of
 from fabriclite.collectives.spec import Bucket
 
 _item = Tensor.item
@@ -23,24 +23,23 @@ def pack(bucket: Bucket, leaves: Sequence[Any], device: torch.device, copy: bool
     written to)."""
     items = bucket.take(leaves)
     wire, mode = bucket.wire, bucket.mode
-    if mode == "numbers":
-        buf = torch.tensor(items, dtype=wire, device=device)
-    elif mode == "scalars":
-        buf = torch.tensor(list(map(_item, items)), dtype=wire)
-        if device != _CPU:
-            buf = buf.to(device)
-    elif mode == "single":
+    if mode == "single":
         flat = items[0].reshape(-1)
         if divisor is not None:
             return torch.div(flat, divisor).to(device=device, dtype=wire)
         if flat.dtype != wire or flat.device != device:
             return flat.to(device=device, dtype=wire)
         return flat.clone() if copy else flat
+    if mode == "numbers":
+        buf = torch.tensor(items, dtype=wire, device=device)
+    elif mode == "scalars":
+        buf = torch.tensor(list(map(_item, items)), dtype=wire)
+        buf = buf if device == _CPU else buf.to(device)
     else:
         buf = torch.cat([_flat(x, wire, device) for x in items])
-    if divisor is not None:
-        buf.div_(divisor)
-    return buf
+    if bucket.perm is not None:  # packed in the caller's order: to the canonical order on the wire
+        buf = buf.index_select(0, bucket.index(device)[0])
+    return buf.div_(divisor) if divisor is not None else buf
 
 
 def _flat(x: Any, wire: torch.dtype, device: torch.device) -> Tensor:
@@ -76,9 +75,12 @@ def assemble(parts: Sequence[Tuple[int, Tensor]], length: int, device: torch.dev
 
 # ---------------------------------------------------------------------------------------------- results
 def split_flat(flat: Tensor, bucket: Bucket) -> Sequence[Tensor]:
-    """A reduced bucket ``(numel,)`` as one tensor per leaf (canonical order), shaped like the leaves."""
-    if bucket.mode in ("scalars", "numbers"):
-        return flat.unbind()
+    """A reduced bucket ``(numel,)`` as one tensor per leaf, shaped like the leaves: in the caller's order
+    for a whole 0-d bucket, else in the bucket's (canonical) order."""
+    if bucket.scalar:
+        if bucket.perm is not None:
+            flat = flat.index_select(0, bucket.index(flat.device)[1])
+        return pool_of(bucket, "flat").views(flat) if len(bucket.ids) >= POOL_MIN_LEAVES else flat.unbind()
     if bucket.mode == "single":
         return (flat.view(bucket.shapes[0]),)
     pieces = [p.view(s) for p, s in zip(flat.split(bucket.numels), bucket.shapes)]
@@ -90,8 +92,11 @@ def split_flat(flat: Tensor, bucket: Bucket) -> Sequence[Tensor]:
 def split_stacked(region: Tensor, bucket: Bucket) -> Sequence[Tensor]:
     """A gathered bucket ``(size, numel)`` as one contiguous ``(size, *shape)`` tensor per leaf."""
     size = region.shape[0]
-    if bucket.mode in ("scalars", "numbers"):
-        return region.t().contiguous().unbind()
+    if bucket.scalar:
+        if bucket.perm is not None:
+            region = region.index_select(1, bucket.index(region.device)[1])
+        columns = region.t().contiguous()
+        return pool_of(bucket, "stacked").views(columns) if len(bucket.ids) >= POOL_MIN_LEAVES else columns.unbind()
     if bucket.mode == "single":
         return (region.reshape(size, *bucket.shapes[0]).contiguous(),)
     out, start = [], 0
@@ -115,6 +120,10 @@ def to_devices(outs: List[Any], ids: Sequence[int], devices: Sequence[Optional[t
             outs[i] = outs[i].to(device)
 
 
-def refcount_free(views: Sequence[Tensor]) -> bool:
-    """True when nothing but ``views``' own container refers to any of them."""
-    return set(map(sys.getrefcount, views)) == {2}
+def place_results(outs: List[Any], bucket: Bucket, pieces: Sequence[Any]) -> List[Any]:
+    """``outs`` with the bucket's results in: the pieces themselves when they are every leaf in the caller's
+    order (whole 0-d buckets), else placed by index."""
+    if bucket.whole and bucket.scalar:
+        return list(pieces)
+    place(outs, bucket.ids, pieces)
+    return outs

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from fabriclite.collectives import buffers, header
 from fabriclite.collectives.autograd import attach_gather_grads
+from fabriclite.collectives.pool import POOL_MIN_BYTES, Slot, pool_of
 from fabriclite.collectives.spec import Layout, Spec, align
 from fabriclite.collectives.state import Context
 from fabriclite.collectives.tree import flatten, rebuild
@@ -31,10 +32,12 @@ class Row:
 
 @dataclass
 class Gathered:
-    """Every rank's row (``rows``: ``(size, L)`` uint8) and meta words."""
+    """Every rank's row (``rows``: ``(size, L)`` uint8) and meta words; or, for one large tensor, the pool
+    ``slot`` it was gathered into."""
 
-    rows: Tensor
+    rows: Optional[Tensor]
     metas: List[List[int]]
+    slot: Optional[Slot] = None
 
 
 def all_gather(ctx: Context, data: Any, sync_grads: bool, cat: bool, check: bool) -> Any:
@@ -126,8 +129,7 @@ def exchange_rows(ctx: Context, spec: Spec, layout: Layout, row: Row, kind: int,
     if ctx.size == 1:
         return Gathered(buffers.assemble(row.parts, row.length, ctx.device).view(1, -1), [[0] * header.META_WORDS])
     if not check and layout.fixed_only:
-        rows = ctx.strategy.all_gather(buffers.assemble(row.parts, align(row.length), ctx.device), ctx.group)
-        return Gathered(rows, [])
+        return _gather_rows(ctx, layout, row, align(row.length), [])
     inline = row.length <= header.capacity(ctx.size)
     words = header.call_words(kind, root=root, flags=flags, digest=spec.digest(mode), fixed=layout.fixed_end,
                               nbytes=row.length, inline=int(inline), aux=row.blob)
@@ -138,7 +140,23 @@ def exchange_rows(ctx: Context, spec: Spec, layout: Layout, row: Row, kind: int,
     longest = max(m[header.W_NBYTES] for m in metas)
     if all(m[header.W_INLINE] for m in metas):
         return Gathered(header.payload_rows(gathered, longest), metas)
-    mine = buffers.assemble(row.parts, align(longest), ctx.device)
+    return _gather_rows(ctx, layout, row, align(longest), metas)
+
+
+def _gather_rows(ctx: Context, layout: Layout, row: Row, length: int, metas: List[List[int]]) -> Gathered:
+    """The primitive all_gather of every rank's row padded to ``length``; one large tensor goes into a
+    reused output buffer (warm memory, no page faults)."""
+    mine = buffers.assemble(row.parts, length, ctx.device)
+    buckets = layout.buckets
+    if layout.fixed_only and len(buckets) == 1 and buckets[0].mode == "single" and length == buckets[0].nbytes \
+            and buckets[0].nbytes >= POOL_MIN_BYTES:
+        bucket, size = buckets[0], ctx.size
+        shape = bucket.shapes[0]
+        pool = pool_of(bucket, f"gathered{size}", lambda b: (b.view(size, *shape),))
+        slot = pool.acquire((size, bucket.numel), bucket.wire, ctx.device)
+        ctx.strategy.all_gather_into(slot.buffer.view(torch.uint8).view(size, length), mine, ctx.group)
+        slot.commit()
+        return Gathered(None, metas, slot)
     return Gathered(ctx.strategy.all_gather(mine, ctx.group), metas)
 
 
@@ -148,8 +166,15 @@ def decode(ctx: Context, spec: Spec, layout: Layout, leaves: Sequence[Any],
     """Per-leaf results in the caller's order: stacked ``(size, *shape)`` for fixed leaves, concatenated for
     var tensors, lists for objects; plus each var tensor's per-rank shapes."""
     outs = list(leaves)
+    if got.slot is not None:
+        bucket = layout.buckets[0]
+        buffers.place(outs, bucket.ids, got.slot.views)
+        if bucket.elsewhere(ctx.device):
+            buffers.to_devices(outs, bucket.ids, bucket.devices, ctx.device)
+        return outs, []
+    assert got.rows is not None
     for bucket in layout.buckets:
-        buffers.place(outs, bucket.ids, buffers.split_stacked(buffers.bucket_rows(got.rows, bucket), bucket))
+        outs = buffers.place_results(outs, bucket, buffers.split_stacked(buffers.bucket_rows(got.rows, bucket), bucket))
         if bucket.elsewhere(ctx.device):
             buffers.to_devices(outs, bucket.ids, bucket.devices, ctx.device)
     shapes: List[List[Tuple[int, ...]]] = [[] for _ in layout.var_ids]
@@ -167,6 +192,7 @@ def decode(ctx: Context, spec: Spec, layout: Layout, leaves: Sequence[Any],
 
 
 def _decode_var(spec: Spec, layout: Layout, got: Gathered, r: int) -> Tuple[List[Tensor], List[Any]]:
+    assert got.rows is not None
     row = got.rows[r]
     words = row[: 8 * layout.nvar].view(torch.int64).tolist() if layout.nvar else []
     tensors, offset, w = [], layout.fixed_end, 0

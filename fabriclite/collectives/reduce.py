@@ -8,13 +8,14 @@ import torch
 from torch import Tensor
 
 from fabriclite.collectives import buffers, header, ops
-from fabriclite.collectives.spec import Layout
+from fabriclite.collectives.pool import POOL_MIN_BYTES, Slot, pool_of
+from fabriclite.collectives.spec import Bucket, Layout
 from fabriclite.collectives.state import Context
 from fabriclite.collectives.tree import flatten, rebuild
 
 
-#: a reduced wire buffer, and whether a mean was already divided while packing
-Reduced = Tuple[Tensor, bool]
+#: a reduced wire buffer, whether a mean was already divided while packing, and the pool slot it is
+Reduced = Tuple[Tensor, bool, Optional[Slot]]
 
 
 @torch.no_grad()
@@ -48,7 +49,7 @@ def run(ctx: Context, data: Any, reduce_op: Any, check: bool, kind: int = header
         header.agree(ctx, gathered, lambda: spec.describe("reduce"))
         if inline:
             rows = header.payload_rows(gathered, layout.fixed_end)
-            reduced = [(ops.reduce_rows(buffers.bucket_rows(rows, b), op), False) for b in layout.buckets]
+            reduced = [(ops.reduce_rows(buffers.bucket_rows(rows, b), op), False, None) for b in layout.buckets]
         else:
             reduced = _primitive(ctx, layout, leaves, op)
     if dst is not None and ctx.strategy.global_rank != dst:
@@ -62,24 +63,47 @@ def _row_parts(ctx: Context, layout: Layout, leaves: Sequence[Any]) -> List[Tupl
 
 def _local(ctx: Context, layout: Layout, leaves: Sequence[Any]) -> List[Reduced]:
     """One rank: the reduction of a single row (a copy, with the op's dtype rules)."""
-    return [(buffers.pack(b, leaves, ctx.device, copy=True), False) for b in layout.buckets]
+    return [(buffers.pack(b, leaves, ctx.device, copy=True), False, None) for b in layout.buckets]
 
 
 def _primitive(ctx: Context, layout: Layout, leaves: Sequence[Any], op: str) -> List[Reduced]:
-    out = []
+    out: List[Reduced] = []
     wire_op = ops.primitive_op(op)
     for bucket in layout.buckets:
         divisor = ops.predivide(op, bucket.wire, ctx.size)
-        buf = buffers.pack(bucket, leaves, ctx.device, copy=True, divisor=divisor)
-        out.append((ctx.strategy.all_reduce(buf, wire_op, ctx.group), divisor is not None))
+        slot = _pooled_single(ctx, bucket, leaves, divisor)
+        buf = slot.buffer if slot is not None else buffers.pack(bucket, leaves, ctx.device, copy=True, divisor=divisor)
+        result = ctx.strategy.all_reduce(buf, wire_op, ctx.group)
+        out.append((result, divisor is not None, slot if result is buf else None))
     return out
+
+
+def _pooled_single(ctx: Context, bucket: Bucket, leaves: Sequence[Any], divisor: Optional[int]) -> Optional[Slot]:
+    """A large single tensor packed into a reused wire buffer (warm memory: no page faults), or None."""
+    if bucket.mode != "single" or bucket.nbytes < POOL_MIN_BYTES or bucket.wire != bucket.result:
+        return None
+    source = bucket.take(leaves)[0]
+    if source.dtype != bucket.wire:
+        return None
+    shape = bucket.shapes[0]
+    slot = pool_of(bucket, "wire", lambda b: (b.view(shape),)).acquire((bucket.numel,), bucket.wire, ctx.device)
+    if divisor is not None:
+        torch.div(source.reshape(-1), divisor, out=slot.buffer)
+    else:
+        slot.buffer.copy_(source.reshape(-1))
+    return slot
 
 
 def _results(ctx: Context, layout: Layout, leaves: Sequence[Any], reduced: List[Reduced], op: str) -> List[Any]:
     outs = list(leaves)
-    for bucket, (buf, divided) in zip(layout.buckets, reduced):
+    for bucket, (buf, divided, slot) in zip(layout.buckets, reduced):
         flat = ops.finish(buf, op, bucket.result, ctx.size, divided=divided)
-        buffers.place(outs, bucket.ids, buffers.split_flat(flat, bucket))
+        if slot is not None and flat is slot.buffer:
+            slot.commit()
+            pieces: Sequence[Any] = slot.views
+        else:
+            pieces = buffers.split_flat(flat, bucket)
+        outs = buffers.place_results(outs, bucket, pieces)
         if bucket.elsewhere(ctx.device):
             buffers.to_devices(outs, bucket.ids, bucket.devices, ctx.device)
     return outs

@@ -30,6 +30,8 @@ _dtype = operator.attrgetter("dtype")
 _shape = operator.attrgetter("shape")
 _device = operator.attrgetter("device")
 _dim = Tensor.dim
+_is_cpu = operator.attrgetter("is_cpu")
+_CPU = torch.device("cpu")
 
 
 def align(n: int) -> int:
@@ -54,7 +56,7 @@ def signature(leaves: Sequence[Any]) -> Hashable:
             if len(dtypes) == 1:
                 dims = set(map(_dim, leaves))
                 shapes = {()} if dims == {0} else set(map(_shape, leaves))
-                devices = set(map(_device, leaves))
+                devices = {_CPU} if all(map(_is_cpu, leaves)) else set(map(_device, leaves))
                 if len(shapes) == 1 and len(devices) == 1:
                     return ("alike", cls, dtypes.pop(), tuple(shapes.pop()), devices.pop(), len(leaves))
         elif cls in NUMBER_DTYPES:
@@ -84,7 +86,8 @@ class Bucket:
     """Leaves that travel together as one typed flat buffer: ``ids`` (user-order leaf indices, canonical
     order), their numels and shapes, the ``wire`` dtype and the ``result`` dtype they come back in, and
     their byte ``offset`` in a row. ``mode``: "scalars" (0-d CPU tensors, read with item()), "numbers"
-    (Python numbers), "single" (one tensor) or "general"."""
+    (Python numbers), "single" (one tensor) or "general". ``whole``: the bucket holds every leaf, and (0-d
+    modes) is packed in the caller's order and permuted to the canonical one on the wire by ``perm``."""
 
     wire: torch.dtype
     result: torch.dtype
@@ -95,15 +98,39 @@ class Bucket:
     offset: int = 0
     numel: int = 0
     devices: List[Optional[torch.device]] = field(default_factory=list)
+    whole: bool = False
+    perm: Optional[List[int]] = None
     take: Callable[[Sequence[Any]], Sequence[Any]] = field(default=lambda leaves: leaves, repr=False)
+    pools: Dict[Any, Any] = field(default_factory=dict, repr=False)
+    _index: Dict[Any, Tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+    _elsewhere: Dict[torch.device, bool] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.wire.itemsize
 
+    @property
+    def scalar(self) -> bool:
+        """Every leaf is 0-d (a tensor or a Python number)."""
+        return self.mode in ("scalars", "numbers")
+
     def elsewhere(self, device: torch.device) -> bool:
         """Whether a tensor leaf of this bucket lives on another device than ``device``."""
-        return any(d is not None and d != device for d in set(self.devices))
+        known = self._elsewhere.get(device)
+        if known is None:
+            known = self._elsewhere[device] = any(d is not None and d != device for d in set(self.devices))
+        return known
+
+    def index(self, device: torch.device) -> Tuple[Tensor, Tensor]:
+        """``(perm, inverse)`` as index tensors on ``device``: caller order -> canonical, and back."""
+        pair = self._index.get(device)
+        if pair is None:
+            assert self.perm is not None
+            perm = torch.tensor(self.perm, dtype=torch.int64, device=device)
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(len(self.perm), device=device)
+            pair = self._index[device] = (perm, inverse)
+        return pair
 
 
 @dataclass
@@ -216,9 +243,14 @@ class Spec:
             mode = "single"
         else:
             mode = "general"
+        whole = sorted(ids) == list(range(len(self.leaves)))
+        in_order = ids == list(range(len(self.leaves)))
         take = _taker(ids, len(self.leaves))
         bucket = Bucket(wire, result, ids, [leaf.numel for leaf in leaves], [leaf.shape for leaf in leaves], mode,
-                        devices=[leaf.device for leaf in leaves], take=take)
+                        devices=[leaf.device for leaf in leaves], whole=whole, take=take)
+        if whole and mode in ("scalars", "numbers"):
+            bucket.take = _taker(list(range(len(ids))), len(ids))
+            bucket.perm = None if in_order else list(ids)
         bucket.numel = sum(bucket.numels)
         return bucket
 

@@ -8,6 +8,7 @@ import torch
 
 from fabriclite.collectives.spec import SpecCache
 from fabriclite.strategies.base import Strategy
+from fabriclite.strategies.single_device import SingleDeviceStrategy
 
 _ATTR = "_fabriclite_collectives"
 
@@ -35,7 +36,7 @@ class Context:
     """One collective call: ``group`` (the resolved handle), ``size``, ``index`` (this rank's position in
     the group), ``device`` (where buffers live: the strategy's root device)."""
 
-    __slots__ = ("strategy", "group", "size", "index", "device", "state")
+    __slots__ = ("strategy", "group", "size", "index", "device", "state", "single_device")
 
     def __init__(self, strategy: Strategy, group: Any = None) -> None:
         self.strategy = strategy
@@ -44,6 +45,9 @@ class Context:
         self.index = strategy.group_rank(self.group) if self.size > 1 else 0
         self.device = strategy.root_device
         self.state = state_of(strategy)
+        #: a strategy without process groups (one process, identities as primitives): Lightning's
+        #: single-device contract applies (all_gather adds no dim)
+        self.single_device = isinstance(strategy, SingleDeviceStrategy)
 
     @property
     def ranks(self) -> List[int]:
@@ -64,10 +68,3 @@ class Context:
         except ValueError:
             where = f"0..{self.size - 1}" if ranks == list(range(self.size)) else f"the group's ranks {ranks}"
             raise ValueError(f"{what} is out of range: expected a global rank in {where}.") from None
-
-    @property
-    def single_device(self) -> bool:
-        """True for a strategy without process groups (one process, identities as primitives)."""
-        from fabriclite.strategies.single_device import SingleDeviceStrategy
-
-        return isinstance(self.strategy, SingleDeviceStrategy)

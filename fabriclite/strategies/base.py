@@ -10,6 +10,7 @@ Primitive contract (every strategy):
   ``supported_reduce_ops`` ("sum", "min", "max", "prod", "band", "bor", "bxor"). May work in place on
   ``tensor`` (callers pass a buffer they own) and returns the result.
 - ``all_gather(tensor, group)``: equal shapes on every rank; returns ``(group_size, *shape)``.
+  ``all_gather_into(out, tensor, group)``: the same into a given contiguous ``out`` (default: a copy).
 - ``broadcast(tensor, src, group)``: ``src`` is a global rank; returns the tensor of ``src``
   (same shape and dtype on every rank).
 - ``all_gather_object(obj, group)`` -> list in group-rank order; ``broadcast_object(obj, src, group)``.
@@ -243,6 +244,13 @@ class Strategy(ABC):
 
     def all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
         return tensor.unsqueeze(0)
+
+    def all_gather_into(self, out: Tensor, tensor: Tensor, group: Any = None) -> Tensor:
+        """``all_gather`` written into ``out`` (contiguous, ``(group_size, *shape)``, ``tensor``'s dtype);
+        returns ``out``. Lets a caller reuse a large output buffer (no fresh pages per call); strategies
+        that can gather into it directly override this."""
+        out.copy_(self.all_gather(tensor, group))
+        return out
 
     def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
         return tensor

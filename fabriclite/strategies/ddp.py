@@ -243,13 +243,13 @@ class DDPStrategy(Strategy):
         return tensor
 
     def all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
+        return self.all_gather_into(tensor.new_empty((dist.get_world_size(group), *tensor.shape)), tensor, group)
+
+    def all_gather_into(self, out: Tensor, tensor: Tensor, group: Any = None) -> Tensor:
         # the concatenated (size * numel,) output form: the only one every backend accepts (gloo in
         # torch >= 2.13 rejects a stacked (size, *shape) output)
-        size = dist.get_world_size(group)
-        flat = tensor.reshape(-1).contiguous()
-        out = flat.new_empty(size * flat.numel())
-        self._call("all_gather", _ALL_GATHER_FLAT, out, flat, group=group)
-        return out.view(size, *tensor.shape)
+        self._call("all_gather", _ALL_GATHER_FLAT, out.view(-1), tensor.reshape(-1).contiguous(), group=group)
+        return out
 
     def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
         self._call("broadcast", dist.broadcast, tensor, src, group=group)
