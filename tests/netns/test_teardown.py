@@ -13,8 +13,9 @@ import pytest
 
 from cluster import Cluster, sweep, unavailable_reason
 
+UNAVAILABLE = unavailable_reason()
 pytestmark = [pytest.mark.netns, pytest.mark.slow,
-              pytest.mark.skipif(bool(unavailable_reason()), reason=f"multi-node tests need network namespaces: {unavailable_reason()}")]
+              pytest.mark.skipif(bool(UNAVAILABLE), reason=f"multi-node tests need network namespaces: {UNAVAILABLE}")]
 
 CHILD = Path(__file__).with_name("child_session.py")
 
