@@ -25,7 +25,7 @@ include mk/backends.mk
 test-core: venv
 	$(PY) -m pytest -q tests
 
-test: test-core
+test: test-core test-backends
 
 bench: venv
 	$(PY) -m pip install -q -e ".[bench]" "$(TORCH_PIN)"
