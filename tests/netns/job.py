@@ -35,7 +35,8 @@ with fabric.rank_zero_first(local=True):
 
 fabric.print(f"PRINTED node={fabric.node_rank} rank={rank}", flush=True)
 
-mine = {"vec": torch.tensor([rank, 2.0 * rank]), "nested": {"int": torch.tensor(rank), "list": [torch.tensor(1.0 + rank)]}}
+mine = {"vec": torch.tensor([rank, 2.0 * rank]),
+        "nested": {"int": torch.tensor(rank), "list": [torch.tensor(1.0 + rank)]}}
 reduced = fabric.all_reduce(mine, reduce_op="sum")
 gathered = fabric.all_gather({"rank": torch.tensor(rank), "nested": {"pair": torch.tensor([rank, -rank])}})
 
