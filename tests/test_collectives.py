@@ -1,0 +1,444 @@
+"""Collectives over collections on real ranks (a gloo group): the seeds' examples, the semantics, and every
+failure case (the error on every rank, and the group usable right after)."""
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from collections import OrderedDict, namedtuple
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from fabriclite import collectives
+from fabriclite.collectives import CollectiveMismatchError, RankZeroFailed
+from pool import RankPool
+
+Pair = namedtuple("Pair", "first second")
+
+
+@dataclass
+class Stats:
+    loss: torch.Tensor
+    count: int
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _errors_then_usable(fabric, fn):
+    """Run ``fn``; return (error type, message) or None, then prove the group still works."""
+    try:
+        fn()
+        outcome = None
+    except Exception as err:  # noqa: BLE001 - the test inspects it
+        outcome = (type(err).__name__, str(err))
+    after = fabric.all_reduce(torch.tensor(1.0), reduce_op="sum").item()
+    assert after == fabric.world_size
+    return outcome
+
+
+def _assert_same_error_everywhere(results, *fragments, kind="CollectiveMismatchError"):
+    assert all(r is not None for r in results), results
+    assert len({msg for _, msg in results}) == 1, results  # the same message on every rank
+    name, msg = results[0]
+    assert name == kind, results
+    for fragment in fragments:
+        assert fragment in msg, msg
+    return msg
+
+
+# ---------------------------------------------------------------------------------------------- seeds: Lightning
+def _lightning_page(fabric):
+    rank = fabric.global_rank
+    out = {}
+    learning_rate = torch.rand(1) + rank
+    out["broadcast"] = fabric.broadcast(learning_rate).item()
+    out["broadcast_src"] = fabric.broadcast(torch.tensor([float(rank)]), src=3).item()
+    out["all_gather"] = fabric.all_gather(torch.tensor(10 * rank)).tolist()
+    out["all_reduce"] = fabric.all_reduce(torch.tensor(10 * rank), reduce_op="sum").item()
+    out["all_reduce_mean"] = fabric.all_reduce(torch.tensor(10.0 * rank)).item()
+    collection = {"loss": torch.tensor(float(rank)), "data": torch.arange(3) + rank}
+    gathered = fabric.all_gather(collection)
+    out["collection"] = {k: v.tolist() for k, v in gathered.items()}
+    out["reduced_collection"] = {k: v.tolist() for k, v in fabric.all_reduce(collection).items()}
+    fabric.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    pool = RankPool(4)
+    pool.start()
+    yield pool
+    pool.close()
+
+
+def test_lightning_collectives_page_on_four_ranks(pool4):
+    results = pool4.run(_lightning_page)
+    assert len({r["broadcast"] for r in results}) == 1  # rank 0's learning rate everywhere
+    assert all(r["broadcast_src"] == 3.0 for r in results)
+    for r in results:
+        assert r["all_gather"] == [0, 10, 20, 30]
+        assert r["all_reduce"] == 60
+        assert r["all_reduce_mean"] == 15.0
+        assert r["collection"] == {"loss": [0.0, 1.0, 2.0, 3.0], "data": [[i, i + 1, i + 2] for i in range(4)]}
+        assert r["reduced_collection"] == {"loss": 1.5, "data": [1.5, 2.5, 3.5]}  # int mean: not truncated
+
+
+# ---------------------------------------------------------------------------------------------- seeds: Ignite
+def _ignite_tutorial(fabric):
+    rank = fabric.global_rank
+    tensor = torch.arange(2, dtype=torch.int64) + 1 + 2 * rank
+    reduced = fabric.all_reduce(tensor, reduce_op="SUM")
+    gathered = fabric.all_gather(2.0 * rank)
+    message = fabric.broadcast(f"hello from rank {rank}", src=0)
+    # get_datasets(): the ranks reach their barriers at different places in the code
+    if fabric.local_rank > 0:
+        fabric.barrier()
+    datasets = ("train", "test")
+    if fabric.local_rank == 0:
+        fabric.barrier()
+    # compute_metric(): gather predictions, compute on rank 0, broadcast the result
+    predictions = fabric.all_gather(torch.tensor([rank, rank + 1.0]))
+    result = float(predictions.sum()) if rank == 0 else 0.0
+    result = fabric.broadcast(result, src=0)
+    return tensor.tolist(), reduced.tolist(), gathered.tolist(), gathered.dtype, message, datasets, result
+
+
+def test_ignite_tutorial_on_three_ranks(pool3):
+    results = pool3.run(_ignite_tutorial)
+    assert [r[0] for r in results] == [[1, 2], [3, 4], [5, 6]]  # inputs untouched
+    for _, reduced, gathered, dtype, message, datasets, result in results:
+        assert reduced == [9, 12]
+        assert gathered == [0.0, 2.0, 4.0] and dtype == torch.float64
+        assert message == "hello from rank 0"
+        assert datasets == ("train", "test")
+        assert result == 0 + 1 + 1 + 2 + 2 + 3
+
+
+# ---------------------------------------------------------------------------------------------- semantics
+def _semantics(fabric):
+    rank = fabric.global_rank
+    out = {}
+    big = 2 ** 60 + rank
+    out["exact_int"] = fabric.all_reduce({"n": big}, reduce_op="sum")["n"].item()
+    out["int_mean"] = fabric.all_reduce({"n": rank + 1, "t": torch.tensor([rank + 1])})
+    out["bools"] = {op: fabric.all_reduce(torch.tensor(rank == 0), reduce_op=op).item()
+                    for op in ("sum", "max", "min", "bxor")}
+    out["ops"] = {op: fabric.all_reduce(torch.tensor(rank + 2), reduce_op=op).item()
+                  for op in ("prod", "PRODUCT", "Min", "max", "band", "bor", "bxor", "avg")}
+    out["reduce_op_enum"] = fabric.all_reduce(torch.tensor(1.0), reduce_op=torch.distributed.ReduceOp.SUM).item()
+    data = {"t": torch.ones(3) * rank}
+    fabric.all_reduce(data, reduce_op="sum")
+    out["input_untouched"] = data["t"].tolist()
+    out["strings"] = fabric.all_gather({"name": f"rank{rank}", "cfg": {"lr": 0.1 * rank}, "none": None})
+    out["passthrough"] = fabric.all_reduce({"name": f"rank{rank}", "x": 1.0})["name"]
+    # same keys, different insertion order: meet by key, come back in this rank's order
+    items = [("a", torch.tensor(1.0 + rank)), ("b", torch.tensor(10.0)), ("c", 3)]
+    ordered = OrderedDict(items if rank == 0 else reversed(items))
+    reduced = fabric.all_reduce(ordered, reduce_op="sum")
+    out["order"] = (type(reduced).__name__, list(reduced), {k: float(v) for k, v in reduced.items()})
+    nested = {"pair": Pair(torch.tensor(rank), [1.5, (torch.ones(2), "s")]), "stats": Stats(torch.tensor(2.0), 3)}
+    gathered = fabric.all_gather(nested)
+    out["nested"] = (type(gathered["pair"]).__name__, gathered["pair"].first.tolist(),
+                     gathered["pair"].second[0].tolist(), type(gathered["pair"].second[1]).__name__,
+                     gathered["pair"].second[1][0].shape, gathered["pair"].second[1][1],
+                     type(gathered["stats"]).__name__, gathered["stats"].loss.tolist(), gathered["stats"].count.tolist())
+    out["uneven_cat"] = fabric.all_gather({"x": torch.arange(rank + 1), "s": torch.tensor(rank)}, cat=True)
+    out["gather"] = fabric.gather({"t": torch.arange(rank + 2), "n": rank}, dst=1)
+    out["reduce"] = fabric.reduce({"t": torch.tensor([float(rank)])}, dst=0, reduce_op="sum")
+    out["big_reduce"] = fabric.all_reduce(torch.full((50_000,), float(rank)), reduce_op="sum").unique().tolist()
+    out["big_gather"] = fabric.all_gather(torch.full((40_000,), rank)).sum(1).tolist()
+    out["big_broadcast"] = fabric.broadcast({"w": torch.arange(60_000) * (rank + 1), "k": "v"}, src=1)["w"][-1].item()
+    out["devices"] = fabric.all_reduce({"n": 1})["n"].device.type
+    return out
+
+
+def test_semantics_on_two_ranks(pool2):
+    r0, r1 = pool2.run(_semantics)
+    for r in (r0, r1):
+        assert r["exact_int"] == 2 ** 61 + 1
+        assert r["int_mean"]["n"].item() == 1.5 and r["int_mean"]["n"].dtype == torch.float64
+        assert r["int_mean"]["t"].tolist() == [1.5] and r["int_mean"]["t"].dtype == torch.get_default_dtype()
+        assert r["bools"] == {"sum": 1, "max": True, "min": False, "bxor": True}
+        assert r["ops"] == {"prod": 6, "PRODUCT": 6, "Min": 2, "max": 3, "band": 2, "bor": 3, "bxor": 1, "avg": 2.5}
+        assert r["reduce_op_enum"] == 2.0
+        assert r["strings"]["name"] == ["rank0", "rank1"] and r["strings"]["none"] == [None, None]
+        assert r["strings"]["cfg"]["lr"].tolist() == [0.0, 0.1] and r["strings"]["cfg"]["lr"].dtype == torch.float64
+        assert r["uneven_cat"]["x"].tolist() == [0, 0, 1] and r["uneven_cat"]["s"].tolist() == [0, 1]
+        assert r["big_reduce"] == [1.0] and r["big_gather"] == [0, 40_000] and r["big_broadcast"] == 2 * 59_999
+        assert r["devices"] == "cpu"
+    assert r0["input_untouched"] == [0.0, 0.0, 0.0] and r1["input_untouched"] == [1.0, 1.0, 1.0]
+    assert r0["passthrough"] == "rank0" and r1["passthrough"] == "rank1"
+    assert r0["order"] == ("OrderedDict", ["a", "b", "c"], {"a": 3.0, "b": 20.0, "c": 6.0})
+    assert r1["order"] == ("OrderedDict", ["c", "b", "a"], {"a": 3.0, "b": 20.0, "c": 6.0})
+    assert r0["nested"] == ("Pair", [0, 1], [1.5, 1.5], "tuple", torch.Size([2, 2]), ["s", "s"], "Stats",
+                            [2.0, 2.0], [3, 3])
+    assert r0["gather"] is None
+    assert [g["t"].tolist() for g in r1["gather"]] == [[0, 1], [0, 1, 2]] and [g["n"] for g in r1["gather"]] == [0, 1]
+    assert r0["reduce"]["t"].tolist() == [1.0] and r1["reduce"] is None
+
+
+def _results_are_fresh(fabric):
+    """Results kept by the caller are never changed by later calls (result buffers are reused only when
+    nothing else refers to them)."""
+    rank = fabric.global_rank
+    keys = [f"k{i}" for i in range(20)]
+    kept = [fabric.all_reduce({k: torch.tensor(float(step + rank)) for k in keys}, reduce_op="sum")
+            for step in range(5)]
+    view = fabric.all_reduce({k: torch.tensor(7.0) for k in keys}, reduce_op="sum")["k3"].view(1)
+    for step in range(4):
+        fabric.all_reduce({k: torch.tensor(100.0) for k in keys}, reduce_op="sum")
+    big = [fabric.all_reduce(torch.full((40_000,), float(step)), reduce_op="sum") for step in range(4)]
+    return [float(d["k0"]) for d in kept], view.tolist(), [float(b[0]) for b in big]
+
+
+def test_kept_results_never_change(pool2):
+    for kept, view, big in pool2.run(_results_are_fresh):
+        assert kept == [1.0, 3.0, 5.0, 7.0, 9.0]
+        assert view == [14.0]
+        assert big == [0.0, 2.0, 4.0, 6.0]
+
+
+def _groups(fabric):
+    rank = fabric.global_rank
+    strategy = fabric.strategy
+    if rank == 1:
+        return None
+    first = collectives.all_reduce(strategy, {"x": torch.tensor(rank + 1.0)}, group=[0, 2], reduce_op="sum")
+    second = fabric.all_reduce({"x": torch.tensor(rank + 1.0)}, group=[2, 0], reduce_op="sum")
+    gathered = fabric.all_gather(torch.tensor(rank), group=[0, 2])
+    same_handle = strategy.resolve_group([0, 2]) is strategy.resolve_group((2, 0))
+    return first["x"].item(), second["x"].item(), gathered.tolist(), same_handle
+
+
+def test_group_as_a_list_of_ranks_is_cached(pool3):
+    results = pool3.run(_groups)
+    assert results[1] is None
+    assert results[0] == results[2] == (4.0, 4.0, [0, 2], True)
+
+
+def _sync_grads(fabric):
+    rank = fabric.global_rank
+    x = torch.tensor([rank + 1.0, 10.0], requires_grad=True)
+    y = torch.arange(rank + 1.0, requires_grad=True)
+    out = fabric.all_gather({"x": x, "n": 3}, sync_grads=True)
+    loss = (out["x"] * (rank + 1)).sum()  # rank k weighs every rank's x by k + 1
+    cat = fabric.all_gather(y, sync_grads=True, cat=True)
+    loss = loss + (cat * (rank + 1)).sum()
+    loss.backward()
+    no_grad = fabric.all_gather(x)
+    return x.grad.tolist(), y.grad.tolist(), no_grad.requires_grad, out["x"].shape
+
+
+def test_all_gather_sync_grads_flow_to_every_rank(pool2):
+    (gx0, gy0, ng0, shape0), (gx1, gy1, _, _) = pool2.run(_sync_grads)
+    assert gx0 == gx1 == [3.0, 3.0]  # (0 + 1) + (1 + 1)
+    assert gy0 == [3.0] and gy1 == [3.0, 3.0]
+    assert ng0 is False and shape0 == (2, 2)
+
+
+# ---------------------------------------------------------------------------------------------- failures
+def _different_keys(fabric):
+    rank = fabric.global_rank
+    data = {"loss": torch.tensor(1.0), ("acc" if rank == 0 else "accuracy"): torch.tensor(0.5)}
+    return _errors_then_usable(fabric, lambda: fabric.all_reduce(data))
+
+
+def _different_shapes(fabric):
+    rank = fabric.global_rank
+    return _errors_then_usable(fabric, lambda: fabric.all_gather({"preds": torch.zeros(3 + rank, 2)}))
+
+
+def _different_dtypes(fabric):
+    dtype = torch.float32 if fabric.global_rank == 0 else torch.float64
+    return _errors_then_usable(fabric, lambda: fabric.all_reduce({"x": torch.zeros(2, dtype=dtype)}))
+
+
+def _different_collectives(fabric):
+    data = {"x": torch.tensor(1.0)}
+    if fabric.global_rank == 0:
+        return _errors_then_usable(fabric, lambda: fabric.all_reduce(data, reduce_op="sum"))
+    return _errors_then_usable(fabric, lambda: fabric.all_gather(data))
+
+
+def _different_ops(fabric):
+    op = "sum" if fabric.global_rank == 0 else "max"
+    return _errors_then_usable(fabric, lambda: fabric.all_reduce(torch.ones(2), reduce_op=op))
+
+
+def _bad_op_on_one_rank(fabric):
+    op = "sum" if fabric.global_rank == 0 else "median"
+    return _errors_then_usable(fabric, lambda: fabric.all_reduce(torch.ones(2), reduce_op=op))
+
+
+def _bitwise_on_floats(fabric):
+    return _errors_then_usable(fabric, lambda: fabric.all_reduce({"f": torch.ones(2)}, reduce_op="band"))
+
+
+def _bad_src(fabric):
+    return _errors_then_usable(fabric, lambda: fabric.broadcast("x", src=7))
+
+
+def _different_src(fabric):
+    return _errors_then_usable(fabric, lambda: fabric.broadcast("x", src=fabric.global_rank))
+
+
+def _unpicklable_on_one_rank(fabric):
+    leaf = threading.Lock() if fabric.global_rank == 1 else "fine"
+    return _errors_then_usable(fabric, lambda: fabric.all_gather({"obj": leaf}))
+
+
+def _unpicklable_broadcast(fabric):
+    return _errors_then_usable(fabric, lambda: fabric.broadcast({"lock": threading.Lock()}, src=0))
+
+
+def _bad_dst(fabric):
+    return _errors_then_usable(fabric, lambda: fabric.gather(torch.ones(1), dst=-1))
+
+
+def _number_vs_tensor(fabric):
+    value = 1.0 if fabric.global_rank == 0 else torch.tensor(1.0)
+    return _errors_then_usable(fabric, lambda: fabric.all_reduce({"x": value}))
+
+
+def test_different_keys_fail_on_every_rank(pool2):
+    msg = _assert_same_error_everywhere(pool2.run(_different_keys), "all_reduce", "['acc'] is on ranks [0]",
+                                        "['accuracy'] is on ranks [1]")
+    assert "insertion order does not matter" in msg
+
+
+def test_different_shapes_list_every_ranks_shape(pool2):
+    _assert_same_error_everywhere(pool2.run(_different_shapes), "rank 0 has a float32 tensor of shape (3, 2)",
+                                  "rank 1 has a float32 tensor of shape (4, 2)", "cat=True")
+
+
+def test_different_dtypes_fail(pool2):
+    _assert_same_error_everywhere(pool2.run(_different_dtypes), "rank 0 has a float32", "rank 1 has a float64")
+
+
+def test_different_collectives_fail(pool2):
+    _assert_same_error_everywhere(pool2.run(_different_collectives), "rank 0: all_reduce(reduce_op='sum')",
+                                  "rank 1: all_gather(cat=False)")
+
+
+def test_different_reduce_ops_fail(pool2):
+    _assert_same_error_everywhere(pool2.run(_different_ops), "reduce_op='sum'", "reduce_op='max'")
+
+
+def test_bad_reduce_op_on_one_rank_fails_on_every_rank(pool2):
+    _assert_same_error_everywhere(pool2.run(_bad_op_on_one_rank), "rank 1: ValueError: reduce_op='median'")
+
+
+def test_bitwise_op_on_floats_fails(pool2):
+    _assert_same_error_everywhere(pool2.run(_bitwise_on_floats), "['f']", "needs integer or bool leaves")
+
+
+def test_src_out_of_range_is_a_value_error_everywhere(pool2):
+    results = pool2.run(_bad_src)
+    _assert_same_error_everywhere(results, "src=7 is out of range")
+    assert issubclass(CollectiveMismatchError, ValueError)
+
+
+def test_different_src_fails(pool2):
+    _assert_same_error_everywhere(pool2.run(_different_src), "broadcast(src=0)", "broadcast(src=1)")
+
+
+def test_unpicklable_leaf_on_one_rank_fails_on_every_rank(pool2):
+    _assert_same_error_everywhere(pool2.run(_unpicklable_on_one_rank), "rank 1: TypeError")
+
+
+def test_unpicklable_broadcast_fails_on_every_rank(pool2):
+    _assert_same_error_everywhere(pool2.run(_unpicklable_broadcast), "rank 0: TypeError")
+
+
+def test_dst_out_of_range_fails(pool2):
+    _assert_same_error_everywhere(pool2.run(_bad_dst), "dst=-1 is out of range")
+
+
+def test_number_against_tensor_fails(pool2):
+    _assert_same_error_everywhere(pool2.run(_number_vs_tensor), "rank 0 has a Python float",
+                                  "rank 1 has a float32 tensor")
+
+
+def test_mismatch_on_three_ranks(pool3):
+    _assert_same_error_everywhere(pool3.run(_different_shapes), "rank 2 has a float32 tensor of shape (5, 2)")
+
+
+# ---------------------------------------------------------------------------------------------- rank_zero_first
+def _rank_zero_first(fabric, path):
+    import torch.distributed.distributed_c10d as c10d
+
+    groups_before = getattr(c10d._world, "group_count", None)
+    order = []
+    for _ in range(3):
+        with fabric.rank_zero_first():
+            if fabric.global_rank == 0 and not os.path.exists(path):
+                with open(path, "w") as f:
+                    f.write("downloaded")
+            order.append(open(path).read())
+    with fabric.rank_zero_first(local=True):
+        order.append("local")
+
+    def failing():
+        with fabric.rank_zero_first():
+            if fabric.global_rank == 0:
+                raise OSError("download failed: disk full")
+            order.append("ran the block")
+    outcome = _errors_then_usable(fabric, failing)
+    return order, outcome, getattr(c10d._world, "group_count", None) == groups_before
+
+
+def test_rank_zero_first_runs_rank_zero_first_and_shares_its_error(pool2, tmp_path):
+    (order0, err0, same0), (order1, err1, same1) = pool2.run(_rank_zero_first, str(tmp_path / "data.txt"))
+    assert order0 == order1 == ["downloaded"] * 3 + ["local"]
+    assert err0 == ("OSError", "download failed: disk full")
+    assert err1[0] == RankZeroFailed.__name__ and "OSError: download failed: disk full" in err1[1]
+    assert same0 and same1  # no process group per call
+
+
+# ---------------------------------------------------------------------------------------------- torchmetrics
+def _torchmetrics(fabric):
+    import torchmetrics
+
+    rank = fabric.global_rank
+    strategy = fabric.strategy
+
+    def sync(tensor, group=None):
+        return list(collectives.all_gather(strategy, tensor, group=group).unbind(0))
+
+    mean = torchmetrics.MeanMetric(dist_sync_fn=sync)
+    accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
+    for step in range(3):
+        mean.update(torch.tensor([float(rank * 10 + step)]))
+        preds = torch.tensor([rank % 3, step % 3])
+        accuracy.update(preds, torch.tensor([0, step % 3]))
+    return mean.compute().item(), accuracy.compute().item()
+
+
+def test_torchmetrics_computes_global_values_over_the_group(pool2):
+    results = pool2.run(_torchmetrics)
+    # means of 0, 1, 2 and 10, 11, 12; rank 0 is right 6 of 6 times, rank 1 3 of 6
+    assert results == [(6.0, 0.75), (6.0, 0.75)]
+
+
+# ---------------------------------------------------------------------------------------------- unchecked
+def _unchecked(fabric):
+    strategy = fabric.strategy
+    rank = fabric.global_rank
+    data = {"a": torch.tensor(float(rank)), "b": [rank, torch.ones(2)]}
+    reduced = collectives.all_reduce(strategy, data, reduce_op="sum", check=False)
+    gathered = collectives.all_gather(strategy, data, check=False)
+    message = collectives.broadcast(strategy, {"t": torch.arange(3) + rank}, src=1, check=False)
+    collectives.barrier(strategy, check=False)
+    return reduced["a"].item(), reduced["b"][0].item(), gathered["b"][1].tolist(), message["t"].tolist()
+
+
+def test_check_false_skips_the_header(pool2):
+    for result in pool2.run(_unchecked):
+        assert result == (1.0, 1, [[1.0, 1.0], [1.0, 1.0]], [1, 2, 3])
+
+
+def test_errors_are_picklable_for_the_pool():
+    err = CollectiveMismatchError("x")
+    assert isinstance(pickle.loads(pickle.dumps(err)), ValueError)
