@@ -127,7 +127,8 @@ def exchange_rows(ctx: Context, spec: Spec, layout: Layout, row: Row, kind: int,
     """Every rank's row: inline in the header when every row fits, else one padded primitive all_gather.
     Raises CollectiveMismatchError on every rank for a disagreement."""
     if ctx.size == 1:
-        return Gathered(buffers.assemble(row.parts, row.length, ctx.device).view(1, -1), [[0] * header.META_WORDS])
+        words = header.call_words(kind, root=root, flags=flags, nbytes=row.length, aux=row.blob)
+        return Gathered(buffers.assemble(row.parts, align(row.length), ctx.device).view(1, -1), [words])
     if not check and layout.fixed_only:
         return _gather_rows(ctx, layout, row, align(row.length), [])
     inline = row.length <= header.capacity(ctx.size)
@@ -213,8 +214,6 @@ def _decode_var(spec: Spec, layout: Layout, got: Gathered, r: int) -> Tuple[List
         offset = align(offset + nbytes)
     objects: List[Any] = []
     if layout.object_ids:
-        blob = got.metas[r][header.W_AUX] if got.metas and got.metas[r][header.W_AUX] else None
-        if blob is None:  # one rank (size 1): the row holds only this rank's blob
-            blob = row.numel() - offset
+        blob = got.metas[r][header.W_AUX]
         objects = pickle.loads(row[offset:offset + blob].cpu().numpy().tobytes())
     return tensors, objects
