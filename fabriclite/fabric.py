@@ -310,29 +310,31 @@ class Fabric:
         if self.local_rank == 0:
             print(*args, **kwargs)
 
-    def barrier(self, name: Optional[str] = None) -> None:
-        """Wait until every rank reaches this point."""
-        collectives.barrier(self._strategy, name)
+    def barrier(self, name: Optional[str] = None, check: bool = True) -> None:
+        """Wait until every rank reaches this point (see fabriclite.collectives.barrier)."""
+        collectives.barrier(self._strategy, name, check=check)
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: Any, src: int = 0, check: bool = True) -> Any:
         """``obj`` from global rank ``src`` on every rank (see fabriclite.collectives.broadcast)."""
-        return collectives.broadcast(self._strategy, obj, src)
+        return collectives.broadcast(self._strategy, obj, src, check=check)
 
-    def all_gather(self, data: Any, group: Optional[Any] = None, sync_grads: bool = False, cat: bool = False) -> Any:
+    def all_gather(self, data: Any, group: Optional[Any] = None, sync_grads: bool = False, cat: bool = False,
+                   check: bool = True) -> Any:
         """Every rank's ``data``, leaf by leaf (see fabriclite.collectives.all_gather)."""
-        return collectives.all_gather(self._strategy, data, group=group, sync_grads=sync_grads, cat=cat)
+        return collectives.all_gather(self._strategy, data, group=group, sync_grads=sync_grads, cat=cat, check=check)
 
-    def all_reduce(self, data: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
+    def all_reduce(self, data: Any, group: Optional[Any] = None, reduce_op: Any = "mean", check: bool = True) -> Any:
         """``data`` reduced over the ranks, leaf by leaf (see fabriclite.collectives.all_reduce)."""
-        return collectives.all_reduce(self._strategy, data, group=group, reduce_op=reduce_op)
+        return collectives.all_reduce(self._strategy, data, group=group, reduce_op=reduce_op, check=check)
 
     def gather(self, data: Any, dst: int = 0, group: Optional[Any] = None) -> Any:
         """A list of every rank's ``data`` on rank ``dst``; None elsewhere."""
         return collectives.gather(self._strategy, data, dst=dst, group=group)
 
-    def reduce(self, data: Any, dst: int = 0, reduce_op: Any = "mean", group: Optional[Any] = None) -> Any:
-        """``data`` reduced over the ranks on rank ``dst``; None elsewhere."""
-        return collectives.reduce(self._strategy, data, dst=dst, reduce_op=reduce_op, group=group)
+    def reduce(self, data: Any, dst: int = 0, reduce_op: Any = "mean", group: Optional[Any] = None,
+               check: bool = True) -> Any:
+        """``data`` reduced over the ranks on rank ``dst``; None elsewhere (see fabriclite.collectives.reduce)."""
+        return collectives.reduce(self._strategy, data, dst=dst, reduce_op=reduce_op, group=group, check=check)
 
     @contextmanager
     def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:
