@@ -143,7 +143,8 @@ def _semantics(fabric):
     out["nested"] = (type(gathered["pair"]).__name__, gathered["pair"].first.tolist(),
                      gathered["pair"].second[0].tolist(), type(gathered["pair"].second[1]).__name__,
                      gathered["pair"].second[1][0].shape, gathered["pair"].second[1][1],
-                     type(gathered["stats"]).__name__, gathered["stats"].loss.tolist(), gathered["stats"].count.tolist())
+                     type(gathered["stats"]).__name__, gathered["stats"].loss.tolist(),
+                     gathered["stats"].count.tolist())
     out["uneven_cat"] = fabric.all_gather({"x": torch.arange(rank + 1), "s": torch.tensor(rank)}, cat=True)
     out["gather"] = fabric.gather({"t": torch.arange(rank + 2), "n": rank}, dst=1)
     out["reduce"] = fabric.reduce({"t": torch.tensor([float(rank)])}, dst=0, reduce_op="sum")

@@ -23,10 +23,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, List, Optional
 
-from fabriclite.collectives import broadcast as _broadcast
-from fabriclite.collectives import gather as _gather
+from fabriclite.collectives import broadcasting as _broadcast
+from fabriclite.collectives import gathering as _gather
 from fabriclite.collectives import header as _header
-from fabriclite.collectives import reduce as _reduce
+from fabriclite.collectives import reduction as _reduce
 from fabriclite.collectives import sync as _sync
 from fabriclite.collectives.header import CollectiveMismatchError
 from fabriclite.collectives.state import Context

@@ -11,6 +11,10 @@ from fabriclite.collectives.pool import POOL_MIN_LEAVES, pool_of
 from fabriclite.collectives.spec import Bucket
 
 _item = Tensor.item
+#: wire dtypes numpy can write directly
+_NUMPY = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64", torch.int8: "int8",
+          torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64", torch.bool: "bool",
+          torch.complex64: "complex64", torch.complex128: "complex128"}
 #: results of a bucket larger than this are copied out leaf by leaf, so one kept leaf does not pin the bucket
 DETACH_BYTES = 1 << 20
 _CPU = torch.device("cpu")
@@ -40,6 +44,25 @@ def pack(bucket: Bucket, leaves: Sequence[Any], device: torch.device, copy: bool
     if bucket.perm is not None:  # packed in the caller's order: to the canonical order on the wire
         buf = buf.index_select(0, bucket.index(device)[0])
     return buf.div_(divisor) if divisor is not None else buf
+
+
+def write_inline(buckets: Sequence[Bucket], leaves: Sequence[Any], dest: Tensor, dest_np: Any,
+                 device: torch.device) -> None:
+    """Pack ``buckets`` at their offsets into ``dest`` (uint8; ``dest_np``: the same memory as a numpy
+    array, or None): 0-d buckets go straight from Python values into the bytes (no tensor per call)."""
+    for bucket in buckets:
+        np_dtype = _NUMPY.get(bucket.wire) if dest_np is not None and bucket.scalar else None
+        if np_dtype is None:
+            part = as_bytes(pack(bucket, leaves, device, copy=False))
+            dest[bucket.offset:bucket.offset + part.numel()].copy_(part)
+            continue
+        items = bucket.take(leaves)
+        values = list(map(_item, items)) if bucket.mode == "scalars" else items
+        region = dest_np[bucket.offset:bucket.offset + bucket.nbytes].view(np_dtype)
+        if bucket.perm is None:
+            region[:] = values
+        else:
+            region[bucket.inverse_np()] = values
 
 
 def _flat(x: Any, wire: torch.dtype, device: torch.device) -> Tensor:

@@ -43,28 +43,44 @@ def header_words(size: int) -> int:
     return META_WORDS + capacity(size) // 8
 
 
-def _buffer(ctx: Context) -> Tuple[Tensor, Tensor, Optional[Any]]:
-    key = (ctx.size, str(ctx.device))
+class _HeaderBuffer:
+    """This rank's header (int64), reused across calls: its bytes, and its payload region as uint8 tensor
+    and (CPU) numpy array over the same memory."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.words = torch.zeros(header_words(size), dtype=torch.int64, device=device)
+        self.bytes = self.words.view(torch.uint8)
+        self.numpy = self.words.numpy() if self.words.device.type == "cpu" else None
+        self.payload = self.bytes[META_BYTES:]
+        self.payload_np = self.numpy.view("uint8")[META_BYTES:] if self.numpy is not None else None
+
+
+def _buffer(ctx: Context) -> _HeaderBuffer:
+    key = (ctx.size, ctx.device)
     entry = ctx.state.headers.get(key)
     if entry is None:
-        hdr = torch.zeros(header_words(ctx.size), dtype=torch.int64, device=ctx.device)
-        entry = (hdr, hdr.view(torch.uint8), hdr.numpy() if hdr.device.type == "cpu" else None)
-        ctx.state.headers[key] = entry
+        entry = ctx.state.headers[key] = _HeaderBuffer(ctx.size, ctx.device)
     return entry
+
+
+def payload(ctx: Context) -> Tuple[Tensor, Optional[Any]]:
+    """This rank's inline payload region (``capacity`` bytes) of its header buffer, as a uint8 tensor and,
+    on CPU, the same memory as a numpy array (else None); write it before ``exchange``."""
+    entry = _buffer(ctx)
+    return entry.payload, entry.payload_np
 
 
 def exchange(ctx: Context, words: Sequence[int], parts: Sequence[Tuple[int, Tensor]] = ()) -> Tensor:
     """Gather every rank's header: ``words`` (the meta words, at most META_WORDS) and ``parts`` ((byte
     offset, uint8 tensor) pieces of this rank's inline payload). Returns ``(size, header_words)`` int64."""
-    hdr, hdr_bytes, hdr_np = _buffer(ctx)
-    if hdr_np is not None:
-        hdr_np[: len(words)] = words
+    entry = _buffer(ctx)
+    if entry.numpy is not None:
+        entry.numpy[: len(words)] = words
     else:
-        hdr[: len(words)].copy_(torch.tensor(words, dtype=torch.int64))
+        entry.words[: len(words)].copy_(torch.tensor(words, dtype=torch.int64))
     for offset, part in parts:
-        start = META_BYTES + offset
-        hdr_bytes[start:start + part.numel()].copy_(part)
-    return ctx.strategy.all_gather(hdr, ctx.group)
+        entry.payload[offset:offset + part.numel()].copy_(part)
+    return ctx.strategy.all_gather(entry.words, ctx.group)
 
 
 def meta(gathered: Tensor) -> List[List[int]]:

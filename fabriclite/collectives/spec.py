@@ -121,6 +121,10 @@ class Bucket:
             known = self._elsewhere[device] = any(d is not None and d != device for d in set(self.devices))
         return known
 
+    def inverse_np(self) -> Any:
+        """The inverse permutation as a numpy array: caller position -> canonical position."""
+        return self.index(_CPU)[1].numpy()
+
     def index(self, device: torch.device) -> Tuple[Tensor, Tensor]:
         """``(perm, inverse)`` as index tensors on ``device``: caller order -> canonical, and back."""
         pair = self._index.get(device)

@@ -2,7 +2,7 @@
 of one call (the group, its size, this rank's place in it, the device buffers live on)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -19,7 +19,7 @@ class State:
     def __init__(self) -> None:
         self.specs = SpecCache()
         self.rank_zero_first_calls = 0
-        self.headers: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor, Optional[Any]]] = {}
+        self.headers: Dict[Tuple[int, torch.device], Any] = {}
         self.ranks: Dict[Any, List[int]] = {}
         self.pools: Dict[Any, Any] = {}
 

@@ -74,7 +74,7 @@ def _wait(store: Any, key: str) -> str:
 def _over_broadcast(strategy: Strategy) -> Iterator[None]:
     """Without a store: rank 0 runs the block, then broadcasts its outcome (the wait is then bounded by the
     collective timeout); ``local`` is treated as global."""
-    from fabriclite.collectives.broadcast import broadcast
+    from fabriclite.collectives.broadcasting import broadcast
 
     ctx = Context(strategy)
     if strategy.global_rank == 0:

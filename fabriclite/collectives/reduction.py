@@ -33,7 +33,8 @@ def run(ctx: Context, data: Any, reduce_op: Any, check: bool, kind: int = header
             ctx.member_index(dst, f"dst={dst}")
         layout = spec.reduce_layout(op)
         inline = ctx.size > 1 and check and layout.fixed_end <= header.capacity(ctx.size)
-        parts = _row_parts(ctx, layout, leaves) if inline else []
+        if inline:
+            buffers.write_inline(layout.buckets, leaves, *header.payload(ctx), ctx.device)
     except Exception as err:  # on one rank only, maybe: every rank must hear of it
         if ctx.size == 1 or not check:
             raise
@@ -45,7 +46,7 @@ def run(ctx: Context, data: Any, reduce_op: Any, check: bool, kind: int = header
     else:
         words = header.call_words(kind, ops.OP_CODES[op], root, digest=spec.digest("reduce"),
                                   fixed=layout.fixed_end, inline=int(inline))
-        gathered = header.exchange(ctx, words, parts)
+        gathered = header.exchange(ctx, words)
         header.agree(ctx, gathered, lambda: spec.describe("reduce"))
         if inline:
             rows = header.payload_rows(gathered, layout.fixed_end)
@@ -55,10 +56,6 @@ def run(ctx: Context, data: Any, reduce_op: Any, check: bool, kind: int = header
     if dst is not None and ctx.strategy.global_rank != dst:
         return None
     return rebuild(tree, _results(ctx, layout, leaves, reduced, op), data)
-
-
-def _row_parts(ctx: Context, layout: Layout, leaves: Sequence[Any]) -> List[Tuple[int, Tensor]]:
-    return [(b.offset, buffers.as_bytes(buffers.pack(b, leaves, ctx.device, copy=False))) for b in layout.buckets]
 
 
 def _local(ctx: Context, layout: Layout, leaves: Sequence[Any]) -> List[Reduced]:
