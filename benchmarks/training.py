@@ -146,6 +146,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="the explicit thread count of the second pass")
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    parser.add_argument("--passes", default="own,explicit", help="which passes: own, explicit or both")
     args = parser.parse_args()
     if args.worker == "fabriclite":
         return worker_fabric("fabriclite", args)
@@ -166,7 +167,9 @@ def main() -> None:
         except ImportError:
             print("lightning is not installed (pip install 'fabriclite[bench]'); skipping it", file=sys.stderr)
             frameworks.remove("lightning")
-    passes = {"own defaults": None, f"explicit OMP_NUM_THREADS={args.threads}": args.threads}
+    passes = {title: threads for key, title, threads in
+              (("own", "own defaults", None), ("explicit", f"explicit OMP_NUM_THREADS={args.threads}", args.threads))
+              if key in args.passes.split(",")}
     print(f"# training steps/s, 2 CPU ranks (gloo), {os.cpu_count()} cores, {args.rounds} interleaved rounds x "
           f"{args.steps} steps (after {args.warmup} warm-up), batch {args.batch_size}/rank; median per framework\n")
     for title, threads in passes.items():
