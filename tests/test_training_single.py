@@ -78,6 +78,19 @@ def test_16_mixed_on_cuda_requires_fabric_backward():
         model(torch.ones(1, 2, device="cuda")).sum().backward()
 
 
+@needs_cuda
+def test_optimizer_state_follows_the_model_to_the_gpu():
+    model = nn.Linear(3, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()  # state on the CPU
+    fabric = Fabric(accelerator="cuda", devices=1)
+    model, opt = fabric.setup(model, opt)
+    assert {opt.state[p]["exp_avg"].device.type for p in model.parameters()} == {"cuda"}
+    fabric.backward(model(torch.ones(1, 3, device="cuda")).sum())
+    opt.step()
+
+
 def test_bad_precision_names_the_valid_ones():
     with pytest.raises(ValueError, match="bf16-true"):
         Fabric(accelerator="cpu", devices=1, precision="8-bit")
@@ -230,6 +243,12 @@ def test_setup_returns_what_lightning_returns():
     module = fabric.setup_module(nn.Linear(1, 1))
     opt = fabric.setup_optimizers(torch.optim.SGD(module.parameters(), lr=1))
     assert isinstance(opt, torch.optim.SGD) and type(module).__name__ == "FabricModule"
+
+
+def test_setup_before_launch_says_to_launch():
+    fabric = Fabric(accelerator="cpu", devices=2)
+    with pytest.raises(RuntimeError, match=r"fabric.launch\(\) first"):
+        fabric.setup(nn.Linear(1, 1))
 
 
 def test_import_fabriclite_imports_no_optional_package():
