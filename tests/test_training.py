@@ -7,9 +7,7 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler, TensorDataset, WeightedRandomSampler
-
-from fabriclite.data import DistributedSamplerWrapper
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
 N, D, C = 48, 6, 3  # samples, features, classes
 
