@@ -256,8 +256,10 @@ def assert_nothing_left(job: Job, within: float = 5.0) -> None:
 
 
 def assert_failed_fast(job: Job, bound: float = END_BOUND_S) -> float:
-    """The job exited non-zero within ``bound`` seconds of the first fault; returns how long it took."""
+    """The job exited non-zero within ``bound`` seconds of the first fault, its ranks ended on
+    SIGTERM (no wait for the grace period); returns how long it took."""
     assert job.returncode not in (0, None), f"job {job.name} exited {job.returncode}:\n{job.output}"
+    assert "of SIGTERM and were killed" not in "".join(job.err), job.output
     took = job.ended - job.fault_at
     assert took < bound, f"job {job.name} took {took:.1f} s after the fault to end:\n{job.output}"
     return took
@@ -388,6 +390,7 @@ def test_a_signal_to_the_supervisor_ends_every_rank(fault_jobs: Dict[str, Job], 
     assert job.returncode == 128 + sig, job.output
     took = job.ended - job.extra["signal_at"]
     assert took < END_BOUND_S, job.output
+    assert "of SIGTERM and were killed" not in "".join(job.err), job.output
     assert f"fabriclite: stopped every rank on node 0 on {signal.Signals(sig).name}" in "".join(job.err), job.output
     assert len([r for r in job.records if "helper" in r]) == 2, job.output  # each rank's child is gone too
     assert_nothing_left(job)

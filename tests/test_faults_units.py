@@ -244,3 +244,26 @@ def test_a_signal_ends_the_wait_for_node_0s_store() -> None:
     thread.join()
     assert code == 128 + signal.SIGINT and time.monotonic() - start < 5
     assert supervisor.summary == "fabriclite: stopped every rank on node 1 on SIGINT."
+
+
+def test_ranks_that_ignore_sigterm_are_killed_and_named() -> None:
+    import sys
+
+    from fabriclite.launchers.output import OutputOptions
+    from fabriclite.launchers.subprocess_script import PopenWorker
+    from fabriclite.launchers.supervisor import Layout, Supervisor
+
+    code = ("import os, signal, time\n"
+            "if os.environ['FABRICLITE_RANK'] == '0': raise SystemExit(4)\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "time.sleep(60)\n")
+    layout = Layout(num_nodes=1, node_rank=0, local_world_size=2)
+    supervisor = Supervisor(layout, "127.0.0.1", 0, timedelta(seconds=10), OutputOptions(), grace_s=0.5,
+                            report=False)
+    start = time.monotonic()
+    exit_code = supervisor.run(lambda local_rank, env: PopenWorker([sys.executable, "-c", code], env,
+                                                                   supervisor.output, local_rank))
+    assert exit_code == 4 and time.monotonic() - start < 5
+    assert supervisor.summary.splitlines()[0] == "fabriclite: the job failed: rank 0 (local rank 0, node 0) exited " \
+                                                 "with code 4."
+    assert "ranks [1] did not end within 0.5 s of SIGTERM and were killed (SIGKILL)." in supervisor.summary

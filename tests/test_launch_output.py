@@ -27,10 +27,10 @@ def work(fabric):
     print(f"hello from rank {rank}")
     print(f"warning from rank {rank}", file=sys.stderr)
     os.write(1, f"raw write from rank {rank}\n".encode())  # below Python's sys.stdout
-    fabric.strategy.barrier()
+    fabric.barrier()
     if rank == 1:
         raise ValueError("rank 1 fails after printing")
-    fabric.strategy.barrier()
+    fabric.barrier()
 
 
 if __name__ == "__main__":

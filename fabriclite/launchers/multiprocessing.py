@@ -105,6 +105,9 @@ class MultiprocessingLauncher(Launcher):
 
 def _entry(child_env: Dict[str, str], parent_pid: int, result_path: str, fds: Optional[Tuple[Any, Any]],
            inherited: List[int], function: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    # a forked rank inherits the supervisor's handlers, which only take note of a signal
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.setpgid(0, 0)
     watch_supervisor(parent_pid)
     for fd in inherited:

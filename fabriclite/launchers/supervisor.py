@@ -278,17 +278,22 @@ class Supervisor:
     # ------------------------------------------------------------------ stopping
     def _stop_all(self) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after the grace period (the
-        ranks' own children included), reap the ranks. Idempotent."""
-        workers = [w for w in self._workers.values() if w.pid not in self._stopped]
-        alive = [w for w in workers if w.poll() is None]
-        for worker in alive:
+        ranks' own children included; the summary names ranks that had to be SIGKILLed), reap the
+        ranks. Idempotent."""
+        workers = {r: w for r, w in self._workers.items() if w.pid not in self._stopped}
+        alive = {r: w for r, w in workers.items() if w.poll() is None}
+        for worker in alive.values():
             _kill_group(worker.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
-        while any(w.poll() is None for w in alive) and time.monotonic() < deadline:
+        while any(w.poll() is None for w in alive.values()) and time.monotonic() < deadline:
             time.sleep(0.02)
-        for worker in workers:  # anything left, grandchildren included
+        stubborn = [self.layout.global_rank(r) for r, w in alive.items() if w.poll() is None]
+        if stubborn and self.summary:
+            self.summary += (f"\n  ranks {stubborn} did not end within {self.grace_s:g} s of SIGTERM and were "
+                             f"killed (SIGKILL).")
+        for worker in workers.values():  # anything left, grandchildren included
             _kill_group(worker.pid, signal.SIGKILL)
-        for worker in workers:
+        for worker in workers.values():
             _reap(worker)
             self._stopped.add(worker.pid)
             if self._reaper is not None:
