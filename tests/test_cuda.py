@@ -66,7 +66,7 @@ def test_nccl_job_collectives_and_training(tmp_path, precision):
 def test_cuda_devices_parsing_and_auto():
     count = torch.cuda.device_count()
     assert Fabric(accelerator="cuda", devices=-1).world_size == count
-    assert Fabric(accelerator="gpu", devices="0").device == torch.device("cuda", 0)
+    assert Fabric(accelerator="gpu", devices="0,").device == torch.device("cuda", 0)  # Lightning: "0," is index 0
     assert Fabric(accelerator="cuda", devices=[0]).device == torch.device("cuda", 0)
     assert Fabric().accelerator.name == "cuda"  # "auto" picks the GPU
     with pytest.raises(ValueError, match=f"index {count} is out of range"):
