@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 
 demo: venv
 	$(PY) examples/demo.py
+	$(PY) examples/train.py
 
 include mk/backends.mk
 
