@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Union
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fabriclite.strategies.base import Strategy
+if TYPE_CHECKING:
+    from fabriclite.strategies.base import Strategy
 
 PathLike = Union[str, "os.PathLike[str]"]
 Filter = Dict[str, Callable[[str, Any], bool]]
@@ -72,7 +73,7 @@ def save(strategy: Strategy, path: PathLike, state: Mapping[str, Any], filter: O
     from fabriclite import collectives
 
     check_filter(state, filter)
-    checkpoint = to_saveable(strategy, state, filter)
+    checkpoint = strategy.checkpoint_state(to_saveable(strategy, state, filter))
     with collectives.rank_zero_first(strategy):
         if strategy.is_global_zero:
             atomic_save(checkpoint, path)
@@ -168,7 +169,7 @@ def load_raw(strategy: Strategy, path: PathLike, obj: Union[nn.Module, Optimizer
     if not isinstance(obj, (nn.Module, Optimizer)):
         raise TypeError(f"load_raw(path, obj): obj must be a torch.nn.Module or torch.optim.Optimizer; got "
                         f"{type(obj).__name__}.")
-    strategy.load_checkpoint(path, obj, strict=strict, weights_only=weights_only)
+    load(strategy, path, obj, strict=strict, weights_only=weights_only)
 
 
 __all__ = ["atomic_save", "check_filter", "is_stateful", "load", "load_raw", "read", "save", "to_saveable"]

@@ -119,16 +119,6 @@ def distributed_sampler(dataset: Any, sampler: Any, kwargs: Dict[str, Any]) -> D
     return DistributedSamplerWrapper(sampler, **kwargs)
 
 
-def set_sampler_epoch(dataloader: DataLoader, epoch: int) -> None:
-    """Call ``set_epoch(epoch)`` on the loader's sampler and batch sampler's sampler, where they have one."""
-    seen = set()
-    for obj in (getattr(dataloader, "sampler", None), getattr(dataloader, "batch_sampler", None),
-                getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)):
-        if obj is not None and id(obj) not in seen and callable(getattr(obj, "set_epoch", None)):
-            seen.add(id(obj))
-            obj.set_epoch(epoch)
-
-
 def gather_eval(strategy: Strategy, data: Any, dataloader: Any) -> Any:
     """Every rank's per-sample results over one pass of ``dataloader``, on every rank, in the sampler's
     order, each sample exactly once: the first dimension of every tensor leaf becomes ``len(sampler)``

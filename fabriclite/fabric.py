@@ -248,14 +248,13 @@ class Fabric:
     def save(self, path: Union[str, "os.PathLike[str]"], state: Dict[str, Any],
              filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
         """Write ``state`` to ``path`` on global rank 0, atomically; every rank returns when it is complete."""
-        checkpoint.check_filter(state, filter)
-        self._strategy.save_checkpoint(path, wrappers.unwrap(state, loaders=False), filter=filter)
+        checkpoint.save(self._strategy, path, wrappers.unwrap(state, loaders=False), filter)
 
     def load(self, path: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
              strict: bool = True, *, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Restore ``state`` in place from ``path``; returns what was not restored (all of it without state)."""
         unwrapped = wrappers.unwrap(state, loaders=False)
-        remainder = self._strategy.load_checkpoint(path, unwrapped, strict=strict, weights_only=weights_only)
+        remainder = checkpoint.load(self._strategy, path, unwrapped, strict=strict, weights_only=weights_only)
         if state is not None:
             for key, value in unwrapped.items():
                 if not isinstance(state[key], (FabricModule, FabricOptimizer, FabricDataLoader)):

@@ -209,8 +209,6 @@ class FabricDataLoader:
         return len(self._dataloader)
 
     def __iter__(self) -> Iterator[Any]:
-        from fabriclite.data import set_sampler_epoch
-
         set_sampler_epoch(self._dataloader, self._num_iter_calls)
         self._num_iter_calls += 1
         if self._device is None:
@@ -352,3 +350,12 @@ def _unwrap_compiled(obj: Any) -> Any:
         return orig
     return obj
 
+
+def set_sampler_epoch(dataloader: DataLoader, epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on the loader's sampler and batch sampler's sampler, where they have one."""
+    seen = set()
+    for obj in (getattr(dataloader, "sampler", None), getattr(dataloader, "batch_sampler", None),
+                getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)):
+        if obj is not None and id(obj) not in seen and callable(getattr(obj, "set_epoch", None)):
+            seen.add(id(obj))
+            obj.set_epoch(epoch)

@@ -20,17 +20,15 @@ Training hooks (defaults here suit any strategy whose ranks hold full replicas; 
 ``setup_module`` / ``setup_optimizer`` / ``setup_module_and_optimizers``, ``module_to_device``,
 ``batch_to_device``, ``backward``, ``optimizer_step``, ``no_backward_sync``, ``clip_gradients_norm`` /
 ``clip_gradients_value``, ``module_init_context`` / ``tensor_init_context``, ``distributed_sampler_kwargs``,
-``process_dataloader``, and checkpoints: ``save_checkpoint`` / ``load_checkpoint`` (atomic single file,
-written by global rank 0, see ``fabriclite.checkpoint``) built on ``get_module_state_dict`` /
-``load_module_state_dict`` / ``get_optimizer_state``.
+``process_dataloader``, and the checkpoint hooks ``get_module_state_dict`` / ``load_module_state_dict`` /
+``get_optimizer_state`` / ``checkpoint_state`` (``fabriclite.checkpoint`` writes and reads the file).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-import os
 import warnings
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -185,22 +183,10 @@ class Strategy(ABC):
         return dataloader
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: Union[str, "os.PathLike[str]"], state: Dict[str, Any],
-                        filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        """Write ``state`` (modules / optimizers / stateful objects stored as their state_dicts, ``filter``
-        applied) to ``path``. Called on every rank; global rank 0 writes atomically, and every rank returns
-        only when the file is complete (each raises if the write failed). See ``fabriclite.checkpoint``."""
-        from fabriclite import checkpoint
-
-        checkpoint.save(self, path, state, filter)
-
-    def load_checkpoint(self, path: Union[str, "os.PathLike[str]"], state: Any = None, strict: bool = True,
-                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        """Read ``path`` on every rank and restore ``state`` in place (a dict of objects, one module, or one
-        optimizer); returns what was not restored (everything, when ``state`` is empty)."""
-        from fabriclite import checkpoint
-
-        return checkpoint.load(self, path, state, strict=strict, weights_only=weights_only)
+    def checkpoint_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """The checkpoint (module / optimizer state already taken) as it will be written; XLA syncs and
+        moves tensors to the CPU. Default: as is. Saving itself lives in ``fabriclite.checkpoint``."""
+        return state
 
     def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
         """``module``'s full state_dict as it should be saved (sharded strategies gather it)."""

@@ -11,7 +11,7 @@ import pickle
 import threading
 from contextlib import nullcontext
 from functools import reduce
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Union
+from typing import Any, ContextManager, Dict, List, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -98,11 +98,10 @@ class _XLAMixin:
         xla_sync()
         return _to_cpu(optimizer.state_dict())
 
-    def save_checkpoint(self, path: Any, state: Dict[str, Any],
-                        filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        """Pending work is run on every replica, tensors move to the CPU, global rank 0 writes once."""
+    def checkpoint_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """Pending work is run on every replica and tensors move to the CPU (global rank 0 writes once)."""
         xla_sync()
-        super().save_checkpoint(path, _to_cpu(state), filter)  # type: ignore[misc]
+        return _to_cpu(state)
 
 
 class SingleDeviceXLAStrategy(_XLAMixin, SingleDeviceStrategy):
