@@ -153,15 +153,13 @@ def wait_for_ranks(store: Store, key: str, rank: int, world_size: int, timeout: 
 
 
 def missing_ranks(store: Store, key: str, world_size: int) -> List[int]:
+    """The ranks of ``range(world_size)`` that have not checked in under ``key``."""
     return [r for r in range(world_size) if not store.check([f"{key}/{r}"])]
 
 
 def prefixed(store: Store, prefix: str) -> PrefixStore:
+    """``store`` seen under ``prefix`` (fabriclite's keys live under KEY_PREFIX)."""
     return PrefixStore(prefix, store)
-
-
-def store_address(address: Optional[str]) -> str:
-    return address or "127.0.0.1"
 
 
 # ---------------------------------------------------------------------- the job's failure flag
@@ -191,6 +189,7 @@ def publish_failure(store: Store, record: Dict[str, Any]) -> None:
 
 
 def describe_failure(record: Dict[str, Any]) -> str:
+    """"node 1: rank 3 (local rank 1, node 1) raised ValueError: boom" for a published record."""
     where = f"node {record['node']}: " if record.get("node") is not None else ""
     return f"{where}{record['message']}"
 

@@ -19,11 +19,14 @@ from fabriclite.launchers.supervisor import JobFailed, Layout, Supervisor, print
 
 
 class ProcessWorker:
+    """A rank started with multiprocessing (it makes its own process group first thing)."""
+
     def __init__(self, process: "mp.process.BaseProcess") -> None:
         self.process = process
         self.pid = process.pid
 
     def poll(self) -> Optional[int]:
+        """None while running, else the exit code (negative: killed by that signal)."""
         return None if self.process.is_alive() else self.process.exitcode
 
 

@@ -47,6 +47,7 @@ class Reaper:
 
     @property
     def fd(self) -> Optional[int]:
+        """The write end of the pipe to the reaper (None if it could not start)."""
         return self._proc.stdin.fileno() if self._proc is not None and self._proc.stdin else None
 
     def watch(self, pgid: int) -> None:

@@ -32,6 +32,7 @@ class PopenWorker:
         self.pid = self.process.pid
 
     def poll(self) -> Optional[int]:
+        """None while running, else the exit code (negative: killed by that signal)."""
         return self.process.poll()
 
 
