@@ -23,10 +23,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def node(tmp: Path, name: str, node_rank: int, port: int, fail_rank: int) -> Job:
+def node(tmp: Path, name: str, node_rank: int, port: int, fail_rank: int, fault: str = "raise") -> Job:
     args = ["--accelerator", "cpu", "--devices", "1", "--num-nodes", "2", "--node-rank", str(node_rank),
             "--main-address", "127.0.0.1", "--main-port", str(port), "--timeout", "60"]
-    return cli_job(tmp, name, "raise", args, env={"FAIL_RANK": str(fail_rank)})
+    return cli_job(tmp, name, fault, args, env={"FAIL_RANK": str(fail_rank)})
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,14 @@ def node_jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Job]:
     busy.bind(("0.0.0.0", 0))
     busy.listen()
     busy_port = busy.getsockname()[1]
-    port_a, port_b, port_c, closed = free_port(), free_port(), free_port(), free_port()
+    port_a, port_b, port_c, port_d, closed = free_port(), free_port(), free_port(), free_port(), free_port()
     jobs: List[Job] = [
         node(tmp, "a_node0", 0, port_a, fail_rank=1),  # node 1's rank fails
         node(tmp, "a_node1", 1, port_a, fail_rank=1),
         node(tmp, "b_node0", 0, port_b, fail_rank=0),  # node 0's rank fails: node 0 hosts the store
         node(tmp, "b_node1", 1, port_b, fail_rank=0),
+        node(tmp, "late_node0", 0, port_d, fail_rank=-1, fault="late"),  # no fault: node 1 ends 2 s later
+        node(tmp, "late_node1", 1, port_d, fail_rank=-1, fault="late"),
         cli_job(tmp, "never_arrive", "raise", ["--accelerator", "cpu", "--devices", "1", "--num-nodes", "2",
                                                 "--node-rank", "0", "--main-port", str(port_c), "--timeout", "4"]),
         cli_job(tmp, "no_main", "raise", ["--accelerator", "cpu", "--devices", "1", "--num-nodes", "2",
@@ -54,7 +56,7 @@ def node_jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Job]:
     ]
     started = time.time()
     try:
-        run_jobs(jobs, at_once=4)  # the two nodes of a job start together
+        run_jobs(jobs, at_once=4)  # the two nodes of a job start together (they come in pairs)
     except BaseException:
         for job in jobs:
             kill_tree(job)
@@ -127,3 +129,13 @@ def test_a_main_port_where_something_else_listens(node_jobs: Dict[str, Job]) -> 
         job.output
     assert job.ended - job.started < 3 + END_BOUND_S, job.output
     assert not job.ranks
+
+
+def test_a_node_that_ends_later_is_no_failure(node_jobs: Dict[str, Job]) -> None:
+    # node 0 keeps the store up while node 1's supervisor is alive: node 1 is not told the store is gone
+    first, late = node_jobs["late_node0"], node_jobs["late_node1"]
+    for job in (first, late):
+        assert job.returncode == 0, job.output
+        assert "fabriclite: the job failed" not in "".join(job.err), job.output
+    done = {r["rank"]: r["at"] for job in (first, late) for r in job.records if r.get("done")}
+    assert done[1] - done[0] > 1.5 and first.ended >= done[1], (first.output, late.output)

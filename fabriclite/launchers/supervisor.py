@@ -6,8 +6,13 @@ the job into one clear ending.
 - A rank that exits non-zero or dies by a signal stops the others (SIGTERM, then SIGKILL after a
   grace period), is named in one summary with the first failing rank's traceback (from the error
   file each rank writes), and the supervisor's exit code is non-zero.
+- A rank that raised (its error file exists) counts as failed without waiting for its slow exit; the
+  root cause is the earliest failure that is not a mere "lost peer" error.
 - Across nodes, a failure is published in the store; every other node's supervisor polls it and
-  stops its ranks, naming the failed node and rank.
+  stops its ranks, naming the failed node and rank. Node 0 keeps the store up until the other
+  nodes have ended (or, after a failure, read it).
+- The ranks die with the supervisor (PR_SET_PDEATHSIG), and a reaper process kills what they
+  started if the supervisor is killed (see reaper.py).
 - SIGINT / SIGTERM to the supervisor stop every rank; exit code 130 / 143.
 """
 from __future__ import annotations
@@ -39,6 +44,8 @@ RAISED_GRACE_S = 0.25
 REMOTE_POLL_S = 0.5
 #: how long node 0 keeps the store up after a failure, for the other nodes to read it
 LINGER_S = 3.0
+#: after a success, node 0 stops waiting for a node whose supervisor gave no sign of life for this long
+HEARTBEAT_TIMEOUT_S = 30.0
 DEFAULT_MULTI_NODE_PORT = 29500
 
 
@@ -196,6 +203,7 @@ class Supervisor:
                 return self._fail(failures)
             if self.layout.num_nodes > 1 and time.monotonic() >= next_remote:
                 next_remote = time.monotonic() + REMOTE_POLL_S
+                self._beat()
                 remote = rendezvous.read_failure(self._store)
                 if remote is not None:
                     self.summary = (f"fabriclite: the job failed on {rendezvous.describe_failure(remote)}\n"
@@ -203,6 +211,13 @@ class Supervisor:
                     return 1
             time.sleep(POLL_S)
         return 0
+
+    def _beat(self) -> None:
+        """Tell node 0's supervisor this one is alive (it waits for live nodes before it leaves)."""
+        try:
+            self._store.add(f"beat/{self.layout.node_rank}", 1)
+        except RuntimeError:
+            pass  # the next read of the failure flag reports the lost store
 
     def _poll(self, running: Dict[int, Worker], failures: List[Failure]) -> None:
         """Move ranks that ended, or that raised (their error file exists) and are still exiting
@@ -259,18 +274,31 @@ class Supervisor:
 
     def _leave(self, failed: bool) -> None:
         """Across nodes, node 0 keeps the store (and so the failure record) up until every node has
-        ended: up to 60 s after a success, up to LINGER_S after a failure."""
+        ended: after a success for as long as the other supervisors are alive (their heartbeat moves
+        at least every HEARTBEAT_TIMEOUT_S), after a failure for at most LINGER_S."""
         if self.layout.num_nodes == 1 or self._store is None:
             return
         try:
-            self._store.add("nodes_ended", 1)
+            self._store.set(f"ended/{self.layout.node_rank}", "1")
             if self.layout.node_rank != 0:
                 return
-            deadline = time.monotonic() + (LINGER_S if failed else 60)
-            while self._store.add("nodes_ended", 0) < self.layout.num_nodes and time.monotonic() < deadline:
-                if not failed and (self._store.check([rendezvous.FAILURE_KEY]) or self._signal is not None):
-                    failed = True
-                    deadline = min(deadline, time.monotonic() + LINGER_S)
+            waiting = {n: (-1, time.monotonic()) for n in range(1, self.layout.num_nodes)}  # beat, when it moved
+            deadline = time.monotonic() + LINGER_S if failed else None
+            while waiting:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return
+                if deadline is None and (self._signal is not None or self._store.check([rendezvous.FAILURE_KEY])):
+                    deadline = now + LINGER_S
+                for n, (beat, moved) in list(waiting.items()):
+                    if self._store.check([f"ended/{n}"]):
+                        del waiting[n]
+                        continue
+                    current = self._store.add(f"beat/{n}", 0)
+                    if current != beat:
+                        waiting[n] = (current, now)
+                    elif now - moved > HEARTBEAT_TIMEOUT_S:
+                        del waiting[n]  # that supervisor is gone without a word: stop waiting for it
                 time.sleep(POLL_S)
         except RuntimeError:
             pass
