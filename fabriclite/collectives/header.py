@@ -17,6 +17,7 @@ from fabriclite.collectives import ops
 from fabriclite.collectives.state import Context
 
 MAGIC = 0x464C4331  # "FLC1": fabriclite collectives, protocol 1
+#: meta word positions; every rank must send the same words up to W_FIXED
 (W_MAGIC, W_KIND, W_OP, W_ROOT, W_FLAGS, W_DIGEST0, W_DIGEST1, W_FIXED, W_NBYTES, W_INLINE, W_AUX, W_ERROR) = range(12)
 META_WORDS = 16
 META_BYTES = META_WORDS * 8
@@ -44,14 +45,16 @@ def header_words(size: int) -> int:
 
 
 class _HeaderBuffer:
-    """This rank's header (int64), reused across calls: its bytes, and its payload region as uint8 tensor
-    and (CPU) numpy array over the same memory."""
+    """This rank's header (int64) and the gathered headers, reused across calls (nothing handed to a caller
+    is a view of them): the header's payload region as a uint8 tensor and (CPU) a numpy array over the
+    same memory."""
 
     def __init__(self, size: int, device: torch.device) -> None:
-        self.words = torch.zeros(header_words(size), dtype=torch.int64, device=device)
-        self.bytes = self.words.view(torch.uint8)
+        words = header_words(size)
+        self.words = torch.zeros(words, dtype=torch.int64, device=device)
+        self.gathered = torch.zeros((size, words), dtype=torch.int64, device=device)
         self.numpy = self.words.numpy() if self.words.device.type == "cpu" else None
-        self.payload = self.bytes[META_BYTES:]
+        self.payload = self.words.view(torch.uint8)[META_BYTES:]
         self.payload_np = self.numpy.view("uint8")[META_BYTES:] if self.numpy is not None else None
 
 
@@ -80,10 +83,12 @@ def exchange(ctx: Context, words: Sequence[int], parts: Sequence[Tuple[int, Tens
         entry.words[: len(words)].copy_(torch.tensor(words, dtype=torch.int64))
     for offset, part in parts:
         entry.payload[offset:offset + part.numel()].copy_(part)
-    return ctx.strategy.all_gather(entry.words, ctx.group)
+    return ctx.strategy.all_gather_into(entry.gathered, entry.words, ctx.group)
 
 
 def meta(gathered: Tensor) -> List[List[int]]:
+    if gathered.device.type == "cpu":
+        return gathered.numpy()[:, :META_WORDS].tolist()
     return gathered[:, :META_WORDS].tolist()
 
 
@@ -125,6 +130,10 @@ def agree(ctx: Context, gathered: Tensor, describe: Optional[Callable[[], List[s
     roots or flags, or their structures differ (``describe`` gives this rank's structure lines for the
     message; exchanged only on that path)."""
     rows = meta(gathered)
+    first = rows[0]
+    agreed = first[: W_FIXED + 1]
+    if first[W_MAGIC] == MAGIC and all(row[: W_FIXED + 1] == agreed and not row[W_ERROR] for row in rows):
+        return rows  # the common case: every agreed word equal, no local error
     bad_magic = [r for r, row in enumerate(rows) if row[W_MAGIC] != MAGIC]
     if bad_magic:
         raise CollectiveMismatchError(
@@ -133,7 +142,6 @@ def agree(ctx: Context, gathered: Tensor, describe: Optional[Callable[[], List[s
     failed = [r for r, row in enumerate(rows) if row[W_ERROR]]
     if failed:
         raise CollectiveMismatchError(_local_errors(ctx, gathered, rows, failed))
-    first = rows[0]
     for word, what in ((W_KIND, "collective"), (W_OP, "reduce_op"), (W_ROOT, "root"), (W_FLAGS, "cat")):
         if any(row[word] != first[word] for row in rows):
             raise CollectiveMismatchError(_different_calls(ctx, rows, what))

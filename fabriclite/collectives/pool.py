@@ -91,8 +91,8 @@ class Pool:
 
 
 def pool_of(owner: Any, kind: str, make_views: Views = _unbind) -> Pool:
-    """The pool named ``kind`` kept on ``owner`` (a Bucket) in its ``pools`` dict."""
-    pool = owner.pools.get(kind)
+    """The pool named ``kind`` kept on ``owner`` (a Bucket) in its ``cache`` dict."""
+    pool = owner.cache.get(kind)
     if pool is None:
-        pool = owner.pools[kind] = Pool(make_views)
+        pool = owner.cache[kind] = Pool(make_views)
     return pool

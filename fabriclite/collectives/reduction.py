@@ -49,13 +49,22 @@ def run(ctx: Context, data: Any, reduce_op: Any, check: bool, kind: int = header
         gathered = header.exchange(ctx, words)
         header.agree(ctx, gathered, lambda: spec.describe("reduce"))
         if inline:
-            rows = header.payload_rows(gathered, layout.fixed_end)
-            reduced = [(ops.reduce_rows(buffers.bucket_rows(rows, b), op), False, None) for b in layout.buckets]
+            reduced = [(ops.reduce_rows(_inline_rows(gathered, b), op), False, None) for b in layout.buckets]
         else:
             reduced = _primitive(ctx, layout, leaves, op)
     if dst is not None and ctx.strategy.global_rank != dst:
         return None
     return rebuild(tree, _results(ctx, layout, leaves, reduced, op), data)
+
+
+def _inline_rows(gathered: Tensor, bucket: Bucket) -> Tensor:
+    """``(size, numel)`` typed view of the bucket in every rank's inline payload. The gathered headers are a
+    buffer reused across calls, so the view is made once per bucket and buffer."""
+    cached = bucket.cache.get("inline rows")
+    if cached is None or cached[0] is not gathered:
+        rows = header.payload_rows(gathered, bucket.offset + bucket.nbytes)
+        cached = bucket.cache["inline rows"] = (gathered, buffers.bucket_rows(rows, bucket))
+    return cached[1]
 
 
 def _local(ctx: Context, layout: Layout, leaves: Sequence[Any]) -> List[Reduced]:

@@ -101,7 +101,7 @@ class Bucket:
     whole: bool = False
     perm: Optional[List[int]] = None
     take: Callable[[Sequence[Any]], Sequence[Any]] = field(default=lambda leaves: leaves, repr=False)
-    pools: Dict[Any, Any] = field(default_factory=dict, repr=False)
+    cache: Dict[Any, Any] = field(default_factory=dict, repr=False)  # result pools, views of reused buffers
     _index: Dict[Any, Tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
     _elsewhere: Dict[torch.device, bool] = field(default_factory=dict, repr=False)
 

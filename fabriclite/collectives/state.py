@@ -22,6 +22,8 @@ class State:
         self.headers: Dict[Tuple[int, torch.device], Any] = {}
         self.ranks: Dict[Any, List[int]] = {}
         self.pools: Dict[Any, Any] = {}
+        #: id(group handle) -> (handle, group size, this rank's index): a group's membership never changes
+        self.places: Dict[int, Tuple[Any, int, int]] = {}
 
 
 def state_of(strategy: Strategy) -> State:
@@ -40,11 +42,16 @@ class Context:
 
     def __init__(self, strategy: Strategy, group: Any = None) -> None:
         self.strategy = strategy
+        self.state = state = state_of(strategy)
         self.group = strategy.resolve_group(group)
-        self.size = strategy.group_size(self.group)
-        self.index = strategy.group_rank(self.group) if self.size > 1 else 0
+        where = state.places.get(id(self.group))
+        if where is None or where[0] is not self.group:
+            size = strategy.group_size(self.group)
+            where = (self.group, size, strategy.group_rank(self.group) if size > 1 else 0)
+            if strategy.distributed_ready:
+                state.places[id(self.group)] = where
+        self.size, self.index = where[1], where[2]
         self.device = strategy.root_device
-        self.state = state_of(strategy)
         #: a strategy without process groups (one process, identities as primitives): Lightning's
         #: single-device contract applies (all_gather adds no dim)
         self.single_device = isinstance(strategy, SingleDeviceStrategy)
