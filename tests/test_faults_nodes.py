@@ -11,8 +11,8 @@ from typing import Dict, List
 
 import pytest
 
-from test_faults import (END_BOUND_S, Job, assert_failed_fast, assert_nothing_left, cli_job, kill_tree, living,
-                         run_jobs, script_job)
+from test_faults_harness import (END_BOUND_S, Job, assert_nothing_left, cli_job, kill_tree, living, run_jobs,
+                                 script_job)
 
 pytestmark = pytest.mark.slow
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from pathlib import Path
 from typing import Dict
 
 import pytest
 
-from test_faults import Job, assert_nothing_left, run_jobs
+from test_faults_harness import Job, assert_nothing_left, run_jobs
 
 pytestmark = pytest.mark.slow
 
