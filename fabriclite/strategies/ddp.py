@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from fabriclite import rendezvous
+from fabriclite.network import gloo_interface
 from fabriclite.strategies.base import Strategy
 from fabriclite.launchers.output import prefixed_by_supervisor
 from fabriclite.strategies.progress import CollectiveWatch
@@ -144,6 +145,10 @@ class DDPStrategy(Strategy):
         kwargs: Dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = self.root_device
+        elif backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+            interface = gloo_interface(address)  # this host's name resolves to loopback (Debian's 127.0.1.1)
+            if interface is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
         excepthook = sys.excepthook
         dist.init_process_group(backend, store=dist.PrefixStore("pg/", store), rank=rank, world_size=world,
                                 timeout=self.timeout, **kwargs)

@@ -182,3 +182,20 @@ def test_fault_on_node1_ends_every_node(cluster: Cluster, tmp_path: Path) -> Non
     for e in ended:
         assert f"rank {failing} (local rank 1, node 1)" in e.err, describe(ended)
     assert f"injected failure on rank {failing}" in ended[1].err
+
+
+def test_hostname_on_loopback_like_debian(cluster: Cluster, tmp_path: Path) -> None:
+    """Debian/Ubuntu map the hostname to 127.0.1.1: gloo alone would listen on loopback and time out; the
+    ranks pick the interface that routes to the main address instead (GLOO_SOCKET_IFNAME unset)."""
+    hosts = [Path("/etc/netns") / cluster.host(k) / "hosts" for k in range(NODES)]
+    originals = [h.read_text() for h in hosts]
+    try:
+        for k, (h, text) in enumerate(zip(hosts, originals)):
+            head, _, rest = text.partition("\n")  # keep the tag line first: the fixture knows its files by it
+            h.write_text(f"{head}\n127.0.1.1 {cluster.host(k)}\n{rest}")
+        ended = run_job(cluster, tmp_path, [(k, cli(cluster, k, 29507), env(FABRICLITE_TIMEOUT="20"))
+                                            for k in range(NODES)], timeout=90)
+        check_job(cluster, ended, "FabricliteEnvironment")
+    finally:
+        for h, text in zip(hosts, originals):
+            h.write_text(text)
