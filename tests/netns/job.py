@@ -7,6 +7,7 @@ raises after the first barrier while the others wait in a second one).
 import json
 import os
 import socket
+import sys
 import time
 
 import torch
@@ -20,7 +21,7 @@ fabric.barrier()
 
 if int(os.environ.get("JOB_FAIL_RANK", -1)) >= 0:
     if rank == int(os.environ["JOB_FAIL_RANK"]):
-        print(f"RAISING {json.dumps({'rank': rank, 'time': time.time()})}", flush=True)
+        os.write(1, f"RAISING {json.dumps({'rank': rank, 'time': time.time()})}\n".encode())
         raise RuntimeError(f"injected failure on rank {rank}")
     fabric.barrier()  # never completes: the failed rank does not arrive
     time.sleep(600)
@@ -53,5 +54,6 @@ result = {
                    "list": [t.item() for t in reduced["nested"]["list"]]},
     "all_gather": {"rank": gathered["rank"].tolist(), "pair": gathered["nested"]["pair"].tolist()},
 }
-print(f"RESULT {json.dumps(result)}", flush=True)
+sys.stdout.flush()
+os.write(1, f"RESULT {json.dumps(result)}\n".encode())  # one write: the node's ranks share one pipe
 fabric.barrier()
