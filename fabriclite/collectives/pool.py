@@ -42,9 +42,11 @@ class Slot:
         return int(_use_count(self.buffer.untyped_storage()._cdata)) if _use_count is not None else -1
 
     def commit(self) -> None:
-        """Record the buffer's state as handed out (after the last write to it)."""
+        """Record the buffer's state as handed out (after the last write to it). The memory's expected
+        users are the buffer, its views and the storage handle ``_uses`` makes; counted, not measured,
+        since a backend may still hold the buffer of a finished collective for a moment."""
         self.version = self.buffer._version
-        self.uses = self._uses()
+        self.uses = 2 + len(self.views)
 
     def free(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
         buffer = self.buffer

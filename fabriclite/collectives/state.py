@@ -21,7 +21,6 @@ class State:
         self.rank_zero_first_calls = 0
         self.headers: Dict[Tuple[int, torch.device], Any] = {}
         self.ranks: Dict[Any, List[int]] = {}
-        self.pools: Dict[Any, Any] = {}
         #: id(group handle) -> (handle, group size, this rank's index): a group's membership never changes
         self.places: Dict[int, Tuple[Any, int, int]] = {}
 
