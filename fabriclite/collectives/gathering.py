@@ -23,11 +23,13 @@ from fabriclite.collectives.tree import flatten, rebuild
 
 @dataclass
 class Row:
-    """This rank's row: ``parts`` ((byte offset, uint8 tensor)), its ``length``, the pickled objects' size."""
+    """This rank's row: its ``length``, the pickled objects' size, and either ``inline`` (already written
+    into this rank's header payload) or ``parts`` ((byte offset, uint8 tensor)) to assemble."""
 
     parts: List[Tuple[int, Tensor]] = field(default_factory=list)
     length: int = 0
     blob: int = 0
+    inline: bool = False
 
 
 @dataclass
@@ -49,7 +51,7 @@ def all_gather(ctx: Context, data: Any, sync_grads: bool, cat: bool, check: bool
             tree, leaves = flatten(data)
             spec = ctx.state.specs.get(tree, leaves)
             layout = spec.gather_layout(mode)
-            row = build_row(ctx, layout, leaves)
+            row = build_row(ctx, layout, leaves, may_inline=ctx.size > 1 and (check or not layout.fixed_only))
         except Exception as err:  # on one rank only, maybe: every rank must hear of it
             if ctx.size == 1 or not check:
                 raise
@@ -73,7 +75,7 @@ def gather(ctx: Context, data: Any, dst: int) -> Optional[List[Any]]:
             tree, leaves = flatten(data)
             spec = ctx.state.specs.get(tree, leaves)
             layout = spec.gather_layout("gather")
-            row = build_row(ctx, layout, leaves)
+            row = build_row(ctx, layout, leaves, may_inline=ctx.size > 1)
         except Exception as err:
             if ctx.size == 1:
                 raise
@@ -92,26 +94,32 @@ def gather(ctx: Context, data: Any, dst: int) -> Optional[List[Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- rows
-def build_row(ctx: Context, layout: Layout, leaves: Sequence[Any]) -> Row:
-    """This rank's row (raises what packing or pickling raises)."""
-    row = Row()
+def build_row(ctx: Context, layout: Layout, leaves: Sequence[Any], may_inline: bool) -> Row:
+    """This rank's row (raises what packing or pickling raises): written straight into the header's payload
+    when ``may_inline`` and it fits, else as parts."""
+    row, extra = Row(), []
     if layout.nvar:
         words = _var_words(layout, leaves)
-        row.parts.append((0, buffers.as_bytes(torch.tensor(words, dtype=torch.int64, device=ctx.device))))
-    for bucket in layout.buckets:
-        packed = buffers.pack(bucket, leaves, ctx.device, copy=False)
-        row.parts.append((bucket.offset, buffers.as_bytes(packed)))
+        extra.append((0, buffers.as_bytes(torch.tensor(words, dtype=torch.int64, device=ctx.device))))
     offset = layout.fixed_end
     for i in layout.var_ids:
         raw = buffers.as_bytes(leaves[i].to(ctx.device))
-        row.parts.append((offset, raw))
+        extra.append((offset, raw))
         offset = align(offset + raw.numel())
     row.length = offset
     if layout.object_ids:
         blob = pickle.dumps([leaves[i] for i in layout.object_ids], protocol=pickle.HIGHEST_PROTOCOL)
-        row.parts.append((offset, header.bytes_tensor(blob, ctx.device)))
+        extra.append((offset, header.bytes_tensor(blob, ctx.device)))
         row.blob = len(blob)
         row.length = offset + len(blob)
+    if may_inline and row.length <= header.capacity(ctx.size):
+        payload, payload_np = header.payload(ctx)
+        buffers.write_inline(layout.buckets, leaves, payload, payload_np, ctx.device)
+        buffers.write(payload, extra)
+        row.inline = True
+        return row
+    row.parts = [(b.offset, buffers.as_bytes(buffers.pack(b, leaves, ctx.device, copy=False)))
+                 for b in layout.buckets] + extra
     return row
 
 
@@ -131,16 +139,17 @@ def exchange_rows(ctx: Context, spec: Spec, layout: Layout, row: Row, kind: int,
         return Gathered(buffers.assemble(row.parts, align(row.length), ctx.device).view(1, -1), [words])
     if not check and layout.fixed_only:
         return _gather_rows(ctx, layout, row, align(row.length), [])
-    inline = row.length <= header.capacity(ctx.size)
     words = header.call_words(kind, root=root, flags=flags, digest=spec.digest(mode), fixed=layout.fixed_end,
-                              nbytes=row.length, inline=int(inline), aux=row.blob)
-    gathered = header.exchange(ctx, words, row.parts if inline else ())
+                              nbytes=row.length, inline=int(row.inline), aux=row.blob)
+    gathered = header.exchange(ctx, words)
     hint = {"cat": " (with cat=True, dim 0 may differ)",
             "stack": " (pass cat=True to concatenate tensors whose dim 0 differs)"}.get(mode, "")
     metas = header.agree(ctx, gathered, lambda: spec.describe(mode), hint)
     longest = max(m[header.W_NBYTES] for m in metas)
     if all(m[header.W_INLINE] for m in metas):
         return Gathered(header.payload_rows(gathered, longest), metas)
+    if row.inline:  # another rank's row did not fit: send this one again, from the header's payload
+        row.parts = [(0, header.payload(ctx)[0][: row.length])]
     return _gather_rows(ctx, layout, row, align(longest), metas)
 
 
