@@ -3,15 +3,15 @@
 import os
 from typing import Optional
 
-from fabriclite.environments._vars import all_set, read_int, read_optional_int, read_port, read_str
-from fabriclite.environments.base import ClusterEnvironment
+from fabriclite.environments._vars import all_set, read_int, read_optional_int
+from fabriclite.environments.env_var import EnvVarEnvironment
 
 #: What torchrun's agent sets in every worker (torch.distributed.elastic LocalElasticAgent).
 _REQUIRED = ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")
 
 
-class TorchElasticEnvironment(ClusterEnvironment):
-    """Ranks started by torchrun (torchelastic).
+class TorchElasticEnvironment(EnvVarEnvironment):
+    """Ranks started by torchrun (torchelastic): the env:// contract plus torchrun's own variables.
 
     Detected when ``TORCHELASTIC_RUN_ID``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``GROUP_RANK`` are all set.
     Reads ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``GROUP_RANK`` (node rank), ``LOCAL_WORLD_SIZE``,
@@ -27,43 +27,16 @@ class TorchElasticEnvironment(ClusterEnvironment):
     def detect(cls) -> bool:
         return all_set(_REQUIRED)
 
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
-
-    @property
-    def main_address(self) -> str:
-        return read_str("MASTER_ADDR", self.name)
-
-    @property
-    def main_port(self) -> int:
-        return read_port("MASTER_PORT", self.name)
-
-    def world_size(self) -> int:
-        return read_int("WORLD_SIZE", self.name, minimum=1)
-
-    def global_rank(self) -> int:
-        return read_int("RANK", self.name)
-
     def local_rank(self) -> int:
         return read_int("LOCAL_RANK", self.name)
 
     def node_rank(self) -> int:
         return read_int("GROUP_RANK", self.name)
 
-    def local_world_size(self) -> Optional[int]:
-        return read_optional_int("LOCAL_WORLD_SIZE", self.name, minimum=1)
-
     def num_nodes(self) -> Optional[int]:
         """``GROUP_WORLD_SIZE``, else ``WORLD_SIZE / LOCAL_WORLD_SIZE`` when that divides evenly, else None."""
         nodes = read_optional_int("GROUP_WORLD_SIZE", self.name, minimum=1)
-        if nodes is not None:
-            return nodes
-        per_node = self.local_world_size()
-        world = self.world_size()
-        if per_node is not None and world % per_node == 0:
-            return world // per_node
-        return None
+        return nodes if nodes is not None else super().num_nodes()
 
     @property
     def uses_agent_store(self) -> bool:

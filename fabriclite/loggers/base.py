@@ -87,6 +87,41 @@ class Logger(ABC):
         self.save()
 
 
+class VersionedLogger(Logger):
+    """A logger writing under ``<root_dir>/<name>/version_<n>[/<sub_dir>]`` (Lightning's layout):
+    ``version=None`` picks the next free ``version_<n>`` on first use; a string version is the folder name."""
+
+    def __init__(self, root_dir: Union[str, "os.PathLike[str]"], name: Optional[str] = "lightning_logs",
+                 version: Optional[Union[int, str]] = None, prefix: str = "",
+                 sub_dir: Optional[Union[str, "os.PathLike[str]"]] = None) -> None:
+        super().__init__()
+        self._root_dir = os.fspath(root_dir)
+        self._name = name or ""
+        self._version = version
+        self._prefix = prefix
+        self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> Union[int, str]:
+        if self._version is None:
+            self._version = next_version(os.path.join(self._root_dir, self._name))
+        return self._version
+
+    @property
+    def root_dir(self) -> str:
+        return self._root_dir
+
+    @property
+    def log_dir(self) -> str:
+        version = self.version if isinstance(self.version, str) else f"version_{self.version}"
+        path = os.path.join(self._root_dir, self._name, version)
+        return os.path.join(path, self._sub_dir) if self._sub_dir else path
+
+
 def add_prefix(metrics: Mapping[str, Any], prefix: str, separator: str) -> Dict[str, Any]:
     """``metrics`` with ``prefix + separator`` in front of every name (unchanged for an empty prefix)."""
     if not prefix:

@@ -7,10 +7,10 @@ import os
 from argparse import Namespace
 from typing import Any, Dict, List, Optional, Union
 
-from fabriclite.loggers.base import Logger, add_prefix, next_version, params_to_dict, rank_zero_only, to_scalar
+from fabriclite.loggers.base import VersionedLogger, add_prefix, params_to_dict, rank_zero_only, to_scalar
 
 
-class CSVLogger(Logger):
+class CSVLogger(VersionedLogger):
     """Log metrics to a CSV file, one row per ``log_metrics`` call with a ``step`` column (default: the
     number of rows logged before).
 
@@ -27,35 +27,12 @@ class CSVLogger(Logger):
     def __init__(self, root_dir: Union[str, "os.PathLike[str]"], name: Optional[str] = "lightning_logs",
                  version: Optional[Union[int, str]] = None, prefix: str = "",
                  flush_logs_every_n_steps: int = 100) -> None:
-        super().__init__()
-        self._root_dir = os.fspath(root_dir)
-        self._name = name or ""
-        self._version = version
-        self._prefix = prefix
+        super().__init__(root_dir, name, version, prefix)
         self._flush_every = max(1, int(flush_logs_every_n_steps))
         self._rows: List[Dict[str, Any]] = []
         self._logged = 0  # rows logged so far: the default step
         self._keys: List[str] = []
         self._started = False
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def version(self) -> Union[int, str]:
-        if self._version is None:
-            self._version = next_version(os.path.join(self._root_dir, self._name))
-        return self._version
-
-    @property
-    def root_dir(self) -> str:
-        return self._root_dir
-
-    @property
-    def log_dir(self) -> str:
-        version = self.version if isinstance(self.version, str) else f"version_{self.version}"
-        return os.path.join(self._root_dir, self._name, version)
 
     @property
     def metrics_file_path(self) -> str:

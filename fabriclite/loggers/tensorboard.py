@@ -8,10 +8,10 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 from torch import Tensor
 
-from fabriclite.loggers.base import Logger, add_prefix, next_version, params_to_dict, rank_zero_only, to_scalar
+from fabriclite.loggers.base import VersionedLogger, add_prefix, params_to_dict, rank_zero_only, to_scalar
 
 
-class TensorBoardLogger(Logger):
+class TensorBoardLogger(VersionedLogger):
     """Log to TensorBoard through ``torch.utils.tensorboard.SummaryWriter`` (Lightning Fabric's arguments).
 
     The writer is created on first use on global rank 0; other ranks never import tensorboard or touch the
@@ -25,35 +25,10 @@ class TensorBoardLogger(Logger):
     def __init__(self, root_dir: Union[str, "os.PathLike[str]"], name: Optional[str] = "lightning_logs",
                  version: Optional[Union[int, str]] = None, default_hp_metric: bool = True, prefix: str = "",
                  sub_dir: Optional[Union[str, "os.PathLike[str]"]] = None, **kwargs: Any) -> None:
-        super().__init__()
-        self._root_dir = os.fspath(root_dir)
-        self._name = name or ""
-        self._version = version
-        self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
+        super().__init__(root_dir, name, version, prefix, sub_dir)
         self._default_hp_metric = default_hp_metric
-        self._prefix = prefix
         self._kwargs = kwargs
         self._experiment: Any = None
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def version(self) -> Union[int, str]:
-        if self._version is None:
-            self._version = next_version(os.path.join(self._root_dir, self._name))
-        return self._version
-
-    @property
-    def root_dir(self) -> str:
-        return self._root_dir
-
-    @property
-    def log_dir(self) -> str:
-        version = self.version if isinstance(self.version, str) else f"version_{self.version}"
-        path = os.path.join(self._root_dir, self._name, version)
-        return os.path.join(path, self._sub_dir) if self._sub_dir else path
 
     @property
     def sub_dir(self) -> Optional[str]:
