@@ -35,23 +35,21 @@ def run(ctx: Context, data: Any, reduce_op: Any, check: bool, kind: int = header
         inline = ctx.size > 1 and check and layout.fixed_end <= header.capacity(ctx.size)
         if inline:
             buffers.write_inline(layout.buckets, leaves, *header.payload(ctx), ctx.device)
+            wire: List[Reduced] = []
+        else:  # packed before the header, so that a failure to pack is reported to every rank
+            wire = _local(ctx, layout, leaves) if ctx.size == 1 else _pack(ctx, layout, leaves, op)
     except Exception as err:  # on one rank only, maybe: every rank must hear of it
         if ctx.size == 1 or not check:
             raise
         header.fail(ctx, kind, err, root)
-    if ctx.size == 1:
-        reduced = _local(ctx, layout, leaves)
-    elif not check:
-        reduced = _primitive(ctx, layout, leaves, op)
-    else:
+    if check and ctx.size > 1:
         words = header.call_words(kind, ops.OP_CODES[op], root, digest=spec.digest("reduce"),
                                   fixed=layout.fixed_end, inline=int(inline))
         gathered = header.exchange(ctx, words)
         header.agree(ctx, gathered, lambda: spec.describe("reduce"))
         if inline:
-            reduced = [(ops.reduce_rows(_inline_rows(gathered, b), op), False, None) for b in layout.buckets]
-        else:
-            reduced = _primitive(ctx, layout, leaves, op)
+            wire = [(ops.reduce_rows(_inline_rows(gathered, b), op), False, None) for b in layout.buckets]
+    reduced = wire if ctx.size == 1 or inline else _all_reduce(ctx, wire, op)
     if dst is not None and ctx.strategy.global_rank != dst:
         return None
     return rebuild(tree, _results(ctx, layout, leaves, reduced, op), data)
@@ -72,15 +70,23 @@ def _local(ctx: Context, layout: Layout, leaves: Sequence[Any]) -> List[Reduced]
     return [(buffers.pack(b, leaves, ctx.device, copy=True), False, None) for b in layout.buckets]
 
 
-def _primitive(ctx: Context, layout: Layout, leaves: Sequence[Any], op: str) -> List[Reduced]:
+def _pack(ctx: Context, layout: Layout, leaves: Sequence[Any], op: str) -> List[Reduced]:
+    """One wire buffer per bucket (a mean over a power-of-two group divided while packing)."""
     out: List[Reduced] = []
-    wire_op = ops.primitive_op(op)
     for bucket in layout.buckets:
         divisor = ops.predivide(op, bucket.wire, ctx.size)
         slot = _pooled_single(ctx, bucket, leaves, divisor)
         buf = slot.buffer if slot is not None else buffers.pack(bucket, leaves, ctx.device, copy=True, divisor=divisor)
-        result = ctx.strategy.all_reduce(buf, wire_op, ctx.group)
-        out.append((result, divisor is not None, slot if result is buf else None))
+        out.append((buf, divisor is not None, slot))
+    return out
+
+
+def _all_reduce(ctx: Context, wire: List[Reduced], op: str) -> List[Reduced]:
+    """One primitive all_reduce per wire buffer (in place where the strategy allows)."""
+    out: List[Reduced] = []
+    for buf, divided, slot in wire:
+        result = ctx.strategy.all_reduce(buf, ops.primitive_op(op), ctx.group)
+        out.append((result, divided, slot if result is buf else None))
     return out
 
 
