@@ -17,9 +17,13 @@ from torch import Tensor
 from fabriclite.collectives import buffers, header
 from fabriclite.collectives.autograd import attach_gather_grads
 from fabriclite.collectives.pool import POOL_MIN_BYTES, Slot, pool_of
-from fabriclite.collectives.spec import Layout, Spec, align
+from fabriclite.collectives.spec import Bucket, Layout, Spec, align
 from fabriclite.collectives.state import Context
 from fabriclite.collectives.tree import flatten, rebuild
+
+_HINTS = {"cat": " (with cat=True, dim 0 may differ)",
+          "stack": " (pass cat=True to concatenate tensors whose dim 0 differs)"}
+
 
 @dataclass
 class Row:
@@ -40,6 +44,8 @@ class Gathered:
     rows: Optional[Tensor]
     metas: List[List[int]]
     slot: Optional[Slot] = None
+    #: the reused gathered-headers buffer, when the rows are its payloads
+    inline: Optional[Tensor] = None
 
 
 def all_gather(ctx: Context, data: Any, sync_grads: bool, cat: bool, check: bool) -> Any:
@@ -142,12 +148,10 @@ def exchange_rows(ctx: Context, spec: Spec, layout: Layout, row: Row, kind: int,
     words = header.call_words(kind, root=root, flags=flags, digest=spec.digest(mode), fixed=layout.fixed_end,
                               nbytes=row.length, inline=int(row.inline), aux=row.blob)
     gathered = header.exchange(ctx, words)
-    hint = {"cat": " (with cat=True, dim 0 may differ)",
-            "stack": " (pass cat=True to concatenate tensors whose dim 0 differs)"}.get(mode, "")
-    metas = header.agree(ctx, gathered, lambda: spec.describe(mode), hint)
+    metas = header.agree(ctx, gathered, lambda: spec.describe(mode), _HINTS.get(mode, ""))
     longest = max(m[header.W_NBYTES] for m in metas)
     if all(m[header.W_INLINE] for m in metas):
-        return Gathered(header.payload_rows(gathered, longest), metas)
+        return Gathered(header.payload_rows(gathered, longest), metas, inline=gathered)
     if row.inline:  # another rank's row did not fit: send this one again, from the header's payload
         row.parts = [(0, header.payload(ctx)[0][: row.length])]
     return _gather_rows(ctx, layout, row, align(longest), metas)
@@ -184,7 +188,7 @@ def decode(ctx: Context, spec: Spec, layout: Layout, leaves: Sequence[Any],
         return outs, []
     assert got.rows is not None
     for bucket in layout.buckets:
-        outs = buffers.place_results(outs, bucket, buffers.split_stacked(buffers.bucket_rows(got.rows, bucket), bucket))
+        outs = buffers.place_results(outs, bucket, buffers.split_stacked(_bucket_rows(got, bucket), bucket))
         if bucket.elsewhere(ctx.device):
             buffers.to_devices(outs, bucket.ids, bucket.devices, ctx.device)
     shapes: List[List[Tuple[int, ...]]] = [[] for _ in layout.var_ids]
@@ -199,6 +203,19 @@ def decode(ctx: Context, spec: Spec, layout: Layout, leaves: Sequence[Any],
     for k, i in enumerate(layout.object_ids):
         outs[i] = [objects[k] for _, objects in per_rank]
     return outs, shapes
+
+
+def _bucket_rows(got: Gathered, bucket: Bucket) -> Tensor:
+    """``(size, numel)`` typed view of the bucket in every row; made once per bucket when the rows are the
+    payloads of the reused gathered-headers buffer."""
+    assert got.rows is not None
+    if got.inline is None:
+        return buffers.bucket_rows(got.rows, bucket)
+    cached = bucket.cache.get("inline rows")
+    if cached is None or cached[0] is not got.inline:
+        rows = header.payload_rows(got.inline, bucket.offset + bucket.nbytes)
+        cached = bucket.cache["inline rows"] = (got.inline, buffers.bucket_rows(rows, bucket))
+    return cached[1]
 
 
 def _decode_var(spec: Spec, layout: Layout, got: Gathered, r: int) -> Tuple[List[Tensor], List[Any]]:
