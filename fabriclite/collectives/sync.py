@@ -7,6 +7,7 @@ from typing import Any, Iterator, Optional
 
 from fabriclite.collectives import header
 from fabriclite.collectives.state import Context, state_of
+from fabriclite.rendezvous import raise_if_failed
 from fabriclite.strategies.base import Strategy
 
 _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.1
@@ -61,11 +62,14 @@ def rank_zero_first(strategy: Strategy, local: bool = False) -> Iterator[None]:
 
 
 def _wait(store: Any, key: str) -> str:
-    """Poll ``key`` until it exists, without a deadline (rank 0 may be downloading for an hour)."""
+    """Poll ``key`` until it exists, without a deadline (rank 0 may be downloading for an hour), but not
+    past a failure the job's supervisor reported."""
     delay = _POLL_FIRST_S
     while not store.check([key]):
         time.sleep(delay)
         delay = min(delay * 1.5, _POLL_MAX_S)
+        if delay == _POLL_MAX_S:  # a failure elsewhere in the job ends the wait (JobFailedElsewhere)
+            raise_if_failed(store, "waiting for rank 0 in rank_zero_first")
     raw = store.get(key)
     return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
