@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 
 from fabriclite import rendezvous
 from fabriclite.network import gloo_interface

@@ -6,7 +6,6 @@ order, whatever its results) and asserts afterwards, so a failing check cannot l
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import traceback
