@@ -63,8 +63,13 @@ class ClusterEnvironment(ABC):
         return None
 
     def num_nodes(self) -> Optional[int]:
-        """Number of nodes in the job when the environment says so, else None."""
-        return None
+        """Number of nodes in the job when the environment says so: by default ``world_size() /
+        local_world_size()`` when the local size is known and divides the world, else None."""
+        per_node = self.local_world_size()
+        if per_node is None:
+            return None
+        world = self.world_size()
+        return None if world % per_node else world // per_node
 
     def set_world_size(self, size: int) -> None:
         """Ignored (logged at debug level): an externally created world cannot be resized."""

@@ -59,14 +59,6 @@ class EnvVarEnvironment(ClusterEnvironment):
             return self.global_rank()
         return 0
 
-    def num_nodes(self) -> Optional[int]:
-        """``WORLD_SIZE / LOCAL_WORLD_SIZE`` when set and dividing evenly, else None."""
-        per_node = self.local_world_size()
-        world = self.world_size()
-        if per_node is None or world % per_node:
-            return None
-        return world // per_node
-
 
 #: Lightning's name; unlike Lightning's, this one is auto-detected (after every scheduler).
 KubeflowEnvironment = EnvVarEnvironment

@@ -144,11 +144,3 @@ class MPIEnvironment(ClusterEnvironment):
                 f"`mpirun --map-by slot` (or ppr:{per_node}:node), or set NODE_RANK for every rank."
             )
         return rank // per_node
-
-    def num_nodes(self) -> Optional[int]:
-        """``world_size / local_size`` when the local size is known and divides the world, else None."""
-        per_node = self.local_world_size()
-        world = self.world_size()
-        if per_node is None or world % per_node:
-            return None
-        return world // per_node
