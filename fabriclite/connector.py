@@ -149,19 +149,13 @@ class Connector:
             if strategy == "ddp" and _interactive() and not env.creates_processes_externally:
                 raise ValueError("strategy='ddp' re-runs the script in new processes and cannot start from an "
                                  "interactive session (a notebook or REPL); use strategy='ddp_notebook'.")
-            kwargs: dict = {}
-            if strategy == "single_device":
-                if world > 1:
-                    raise ValueError(f"strategy='single_device' runs one process, but devices={self.num_processes} "
-                                     f"and num_nodes={self.num_nodes} ask for {world}; use strategy='ddp'.")
-                kwargs["device"] = parallel_devices[0]
-            elif strategy.startswith("ddp"):
-                kwargs["parallel_devices"] = parallel_devices
-            strategy = create_strategy(strategy, **kwargs)
+            if strategy == "single_device" and world > 1:
+                raise ValueError(f"strategy='single_device' runs one process, but devices={self.num_processes} "
+                                 f"and num_nodes={self.num_nodes} ask for {world}; use strategy='ddp'.")
+            strategy = create_strategy(strategy)
         if strategy.accelerator is None:
             strategy.accelerator = self.accelerator
-        if strategy.cluster_environment is None or env is not strategy.cluster_environment:
-            strategy.cluster_environment = env
+        strategy.cluster_environment = env  # the instance's own, when it brought one, was detected as forced
         strategy.precision = self.precision
         if isinstance(strategy, DDPStrategy):
             strategy.parallel_devices = strategy.parallel_devices or parallel_devices
