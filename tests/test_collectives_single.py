@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from collections import OrderedDict, defaultdict, namedtuple
 
 import pytest
@@ -9,7 +13,7 @@ import torch
 
 from fabriclite import Fabric, collectives
 from fabriclite.collectives import ops, tree
-from fabriclite.collectives.header import capacity
+from fabriclite.collectives.header import MAX_SIZE, TAG_ERROR, UNIT, Call, call_tag, units
 from fabriclite.collectives.pool import Pool
 from fabriclite.collectives.spec import Spec, signature
 from fabriclite.collectives.state import state_of
@@ -157,9 +161,29 @@ def test_wire_and_result_dtypes():
         ops.wire_and_result(torch.float8_e4m3fn, "sum")
 
 
-def test_header_capacity_shrinks_with_the_group():
-    assert capacity(2) == 8192 and capacity(8) == 4096 and capacity(4096) == 256
-    assert all(capacity(n) % 16 == 0 for n in range(1, 300))
+def test_header_sizes_travel_in_units_and_too_large_is_refused():
+    assert [units(n) for n in (0, 1, UNIT, UNIT + 1)] == [0, 1, 1, 2]
+    assert units(MAX_SIZE * UNIT) == MAX_SIZE
+    with pytest.raises(ValueError, match="split the data over several calls"):
+        units(MAX_SIZE * UNIT + 1)
+
+
+_CALLS = [Call(kind, op, root, flags, (d0, ~d0), fixed) for kind in range(1, 7) for op in (0, 1, 2)
+          for root in (-1, 0, 3) for flags in (0, 1) for d0 in (0, 2**62, -5) for fixed in (0, 16, 2**40)]
+
+
+def test_call_tags_are_never_reserved_and_tell_calls_apart():
+    tags = [call_tag(c) for c in _CALLS]
+    assert min(tags) > TAG_ERROR and max(tags) <= MAX_SIZE
+    assert len(set(tags)) == len(_CALLS)
+
+
+def test_call_tags_are_the_same_in_another_process():
+    code = ("import json, sys; sys.path.insert(0, 'tests'); from test_collectives_single import _CALLS; "
+            "from fabriclite.collectives.header import call_tag; print(json.dumps([call_tag(c) for c in _CALLS]))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert json.loads(out.stdout) == [call_tag(c) for c in _CALLS]
 
 
 # ---------------------------------------------------------------------------------------------- pool

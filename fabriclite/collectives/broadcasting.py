@@ -1,8 +1,8 @@
 """broadcast of any picklable object: the object is pickled with its tensors left out (a skeleton), the
 tensors travel as raw bytes and are rebuilt on each receiver's device.
 
-The header exchange checks that every rank calls broadcast with the same ``src`` and carries the skeleton
-(and the tensors, when small) from ``src``; larger parts follow in primitive broadcasts.
+The header exchange checks that every rank calls broadcast with the same ``src`` and carries the message's
+length from ``src``; the message (skeleton and tensor bytes) follows in one primitive broadcast.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from fabriclite.collectives import buffers, header
 from fabriclite.collectives.spec import align
 from fabriclite.collectives.state import Context
 
-_SKELETON_INLINE, _DATA_INLINE = 1, 2
+#: where the skeleton starts in a message (after its int64 length)
+_SKELETON_AT = 16
 
 
 class _Pickler(pickle.Pickler):
@@ -75,65 +76,41 @@ def broadcast(ctx: Context, obj: Any, src: int, check: bool) -> Any:
     if ctx.size == 1:
         ctx.member_index(src, f"src={src}")
         return obj
+    call = header.Call(header.BROADCAST, root=src)
     with torch.no_grad():
         try:
             src_index = ctx.member_index(src, f"src={src}")
-            skeleton, tensors = _skeleton(obj) if ctx.index == src_index else (b"", [])
+            is_src = ctx.index == src_index
+            skeleton, tensors = _skeleton(obj) if is_src else (b"", [])
             parts, nbytes = _data_parts(tensors, ctx.device)
             if not check:
                 return _unchecked(ctx, obj, src, skeleton, parts, nbytes)
-            flags, inline_parts = _inline(ctx, skeleton, parts, nbytes)
+            message, length = _message(skeleton, parts, nbytes, ctx.device) if is_src else ([], 0)
+            size = header.units(length)
         except Exception as err:  # on one rank only, maybe: every rank must hear of it
             if not check:
                 raise
-            header.fail(ctx, header.BROADCAST, err, root=src)
-        words = header.call_words(header.BROADCAST, root=src, nbytes=nbytes, inline=flags, aux=len(skeleton))
-        gathered = header.exchange(ctx, words, inline_parts)
-        metas = header.agree(ctx, gathered)
-        if ctx.index == src_index:
-            _send_rest(ctx, src, skeleton, parts, nbytes, flags)
+            header.fail(ctx, call, err)
+        halves = header.exchange(ctx, header.begin(ctx), header.tag(ctx, call), size)
+        length = header.agree(ctx, halves, call)[src_index] * header.UNIT
+        if is_src:
+            ctx.strategy.broadcast(buffers.assemble(message, length, ctx.device), src, ctx.group)
             return obj
-        return _receive(ctx, src, gathered[src_index], metas[src_index])
+        data = ctx.strategy.broadcast(torch.empty(length, dtype=torch.uint8, device=ctx.device), src, ctx.group)
+        skeleton_len = int(data[:8].view(torch.int64).item())
+        start = _SKELETON_AT + skeleton_len
+        skeleton = data[_SKELETON_AT:start].cpu().numpy().tobytes()
+        return _Unpickler(io.BytesIO(skeleton), data[align(start):]).load()
 
 
-def _inline(ctx: Context, skeleton: bytes, parts: List[Tuple[int, Tensor]],
-            nbytes: int) -> Tuple[int, List[Tuple[int, Tensor]]]:
-    """The header flags and inline parts: the skeleton when it fits, and the tensor bytes after it when
-    they fit too."""
-    cap = header.capacity(ctx.size)
-    if len(skeleton) > cap:
-        return 0, []
-    inline_parts = [(0, header.bytes_tensor(skeleton, ctx.device))]
-    data_at = align(len(skeleton))
-    if data_at + nbytes > cap:
-        return _SKELETON_INLINE, inline_parts
-    return _SKELETON_INLINE | _DATA_INLINE, inline_parts + [(data_at + off, raw) for off, raw in parts]
-
-
-def _send_rest(ctx: Context, src: int, skeleton: bytes, parts: List[Tuple[int, Tensor]], nbytes: int,
-               flags: int) -> None:
-    if not flags & _SKELETON_INLINE:
-        ctx.strategy.broadcast(header.bytes_tensor(skeleton, ctx.device), src, ctx.group)
-    if not flags & _DATA_INLINE and nbytes:
-        ctx.strategy.broadcast(buffers.assemble(parts, nbytes, ctx.device), src, ctx.group)
-
-
-def _receive(ctx: Context, src: int, src_header: Tensor, meta: List[int]) -> Any:
-    flags, skeleton_len, nbytes = meta[header.W_INLINE], meta[header.W_AUX], meta[header.W_NBYTES]
-    payload = src_header.view(torch.uint8)[header.META_BYTES:]
-    if flags & _SKELETON_INLINE:
-        skeleton = payload[:skeleton_len].cpu().numpy().tobytes()
-    else:
-        buf = ctx.strategy.broadcast(torch.empty(skeleton_len, dtype=torch.uint8, device=ctx.device), src, ctx.group)
-        skeleton = buf.cpu().numpy().tobytes()
-    if flags & _DATA_INLINE:
-        start = align(skeleton_len)
-        data = payload[start:start + nbytes].clone()
-    elif nbytes:
-        data = ctx.strategy.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=ctx.device), src, ctx.group)
-    else:
-        data = torch.empty(0, dtype=torch.uint8, device=ctx.device)
-    return _Unpickler(io.BytesIO(skeleton), data).load()
+def _message(skeleton: bytes, parts: List[Tuple[int, Tensor]], nbytes: int,
+             device: torch.device) -> Tuple[List[Tuple[int, Tensor]], int]:
+    """``src``'s message as (offset, uint8 tensor) parts and its length: the skeleton's length (int64), the
+    skeleton at ``_SKELETON_AT``, the tensor bytes after it (aligned)."""
+    data_at = align(_SKELETON_AT + len(skeleton))
+    head = buffers.as_bytes(torch.tensor([len(skeleton)], dtype=torch.int64, device=device))
+    message = [(0, head), (_SKELETON_AT, header.bytes_tensor(skeleton, device))]
+    return message + [(data_at + off, raw) for off, raw in parts], data_at + nbytes
 
 
 def _unchecked(ctx: Context, obj: Any, src: int, skeleton: bytes, parts: List[Tuple[int, Tensor]],

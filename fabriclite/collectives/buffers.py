@@ -81,6 +81,14 @@ def bucket_rows(rows: Tensor, bucket: Bucket) -> Tensor:
     return rows[:, bucket.offset:bucket.offset + bucket.nbytes].view(bucket.wire)
 
 
+def inline_rows(rows: Tensor, bucket: Bucket) -> Tensor:
+    """``bucket_rows`` of the header's reused payload ``rows``, made once per bucket and rows tensor."""
+    cached = bucket.cache.get("inline rows")
+    if cached is None or cached[0] is not rows:
+        cached = bucket.cache["inline rows"] = (rows, bucket_rows(rows, bucket))
+    return cached[1]
+
+
 def write(dest: Tensor, parts: Sequence[Tuple[int, Tensor]]) -> None:
     for offset, part in parts:
         dest[offset:offset + part.numel()].copy_(part)

@@ -1,9 +1,9 @@
 """all_gather and gather over nested collections.
 
 Each rank lays its collection out as one byte row: the varying dims (int64 words), the fixed buckets (same
-place on every rank), the tensors whose shapes vary, the pickled non-tensor leaves. Small rows ride inline
-in the header exchange (one collective in all); larger ones follow in one primitive all_gather of rows
-padded to the longest.
+place on every rank), the tensors whose shapes vary, the pickled non-tensor leaves. A row of at most 4
+bytes rides inline in the header exchange (one collective in all); longer ones follow in one primitive
+all_gather of rows padded to the longest (each rank's length travels in its header word).
 """
 from __future__ import annotations
 
@@ -27,31 +27,28 @@ _HINTS = {"cat": " (with cat=True, dim 0 may differ)",
 
 @dataclass
 class Row:
-    """This rank's row: its ``length``, the pickled objects' size, and either ``inline`` (already written
-    into this rank's header payload) or ``parts`` ((byte offset, uint8 tensor)) to assemble."""
+    """This rank's row: its ``length`` and either ``words`` (the header buffer its payload was written
+    into: inline) or ``parts`` ((byte offset, uint8 tensor)) to assemble."""
 
     parts: List[Tuple[int, Tensor]] = field(default_factory=list)
     length: int = 0
-    blob: int = 0
-    inline: bool = False
+    words: Optional[header.Words] = None
 
 
 @dataclass
 class Gathered:
-    """Every rank's row (``rows``: ``(size, L)`` uint8) and meta words; or, for one large tensor, the pool
-    ``slot`` it was gathered into."""
+    """Every rank's row (``rows``: ``(size, L)`` uint8; ``inline``: they are the header's reused payload
+    rows); or, for one large tensor, the pool ``slot`` it was gathered into."""
 
     rows: Optional[Tensor]
-    metas: List[List[int]]
     slot: Optional[Slot] = None
-    #: the reused gathered-headers buffer, when the rows are its payloads
-    inline: Optional[Tensor] = None
+    inline: bool = False
 
 
 def all_gather(ctx: Context, data: Any, sync_grads: bool, cat: bool, check: bool) -> Any:
     """See ``fabriclite.collectives.all_gather``."""
     mode = "cat" if cat else "stack"
-    flags = header.FLAG_CAT if cat else 0
+    call = header.Call(header.ALL_GATHER, flags=header.FLAG_CAT if cat else 0)
     with torch.no_grad():
         try:
             tree, leaves = flatten(data)
@@ -61,8 +58,8 @@ def all_gather(ctx: Context, data: Any, sync_grads: bool, cat: bool, check: bool
         except Exception as err:  # on one rank only, maybe: every rank must hear of it
             if ctx.size == 1 or not check:
                 raise
-            header.fail(ctx, header.ALL_GATHER, err, flags=flags)
-        got = exchange_rows(ctx, spec, layout, row, header.ALL_GATHER, -1, flags, mode, check)
+            header.fail(ctx, call, err)
+        got = exchange_rows(ctx, spec, layout, row, call, mode, check)
         outs, shapes = decode(ctx, spec, layout, leaves, got)
     if sync_grads and torch.is_grad_enabled():
         outs = attach_gather_grads(ctx, spec, layout, leaves, outs, shapes)
@@ -75,6 +72,7 @@ def all_gather(ctx: Context, data: Any, sync_grads: bool, cat: bool, check: bool
 
 def gather(ctx: Context, data: Any, dst: int) -> Optional[List[Any]]:
     """See ``fabriclite.collectives.gather``."""
+    call = header.Call(header.GATHER, root=dst)
     with torch.no_grad():
         try:
             ctx.member_index(dst, f"dst={dst}")
@@ -85,8 +83,8 @@ def gather(ctx: Context, data: Any, dst: int) -> Optional[List[Any]]:
         except Exception as err:
             if ctx.size == 1:
                 raise
-            header.fail(ctx, header.GATHER, err, root=dst)
-        got = exchange_rows(ctx, spec, layout, row, header.GATHER, dst, 0, "gather", True)
+            header.fail(ctx, call, err)
+        got = exchange_rows(ctx, spec, layout, row, call, "gather", True)
         if ctx.strategy.global_rank != dst:
             return None
         per_rank = [_decode_var(spec, layout, got, r) for r in range(ctx.size)]
@@ -101,9 +99,15 @@ def gather(ctx: Context, data: Any, dst: int) -> Optional[List[Any]]:
 
 # ---------------------------------------------------------------------------------------------- rows
 def build_row(ctx: Context, layout: Layout, leaves: Sequence[Any], may_inline: bool) -> Row:
-    """This rank's row (raises what packing or pickling raises): written straight into the header's payload
-    when ``may_inline`` and it fits, else as parts."""
-    row, extra = Row(), []
+    """This rank's row (raises what packing or pickling raises, or ValueError for a row too long for one
+    call): written straight into the header's payload when ``may_inline`` and it fits, else as parts."""
+    row = Row()
+    if may_inline and layout.fixed_only and layout.used <= header.CAPACITY:
+        row.words = header.begin(ctx)
+        buffers.write_inline(layout.buckets, leaves, row.words.payload, row.words.payload_np, ctx.device)
+        row.length = layout.used
+        return row
+    extra = []
     if layout.nvar:
         words = _var_words(layout, leaves)
         extra.append((0, buffers.as_bytes(torch.tensor(words, dtype=torch.int64, device=ctx.device))))
@@ -113,17 +117,11 @@ def build_row(ctx: Context, layout: Layout, leaves: Sequence[Any], may_inline: b
         extra.append((offset, raw))
         offset = align(offset + raw.numel())
     row.length = offset
-    if layout.object_ids:
+    if layout.object_ids:  # self-delimiting: the padding after it is ignored when loading
         blob = pickle.dumps([leaves[i] for i in layout.object_ids], protocol=pickle.HIGHEST_PROTOCOL)
         extra.append((offset, header.bytes_tensor(blob, ctx.device)))
-        row.blob = len(blob)
         row.length = offset + len(blob)
-    if may_inline and row.length <= header.capacity(ctx.size):
-        payload, payload_np = header.payload(ctx)
-        buffers.write_inline(layout.buckets, leaves, payload, payload_np, ctx.device)
-        buffers.write(payload, extra)
-        row.inline = True
-        return row
+    header.units(row.length)
     row.parts = [(b.offset, buffers.as_bytes(buffers.pack(b, leaves, ctx.device, copy=False)))
                  for b in layout.buckets] + extra
     return row
@@ -136,28 +134,25 @@ def _var_words(layout: Layout, leaves: Sequence[Any]) -> List[int]:
     return [d for s in shapes for d in s]
 
 
-def exchange_rows(ctx: Context, spec: Spec, layout: Layout, row: Row, kind: int, root: int, flags: int,
-                  mode: str, check: bool) -> Gathered:
-    """Every rank's row: inline in the header when every row fits, else one padded primitive all_gather.
-    Raises CollectiveMismatchError on every rank for a disagreement."""
+def exchange_rows(ctx: Context, spec: Spec, layout: Layout, row: Row, call: header.Call, mode: str,
+                  check: bool) -> Gathered:
+    """Every rank's row: inline in the header when the rows are that short, else one padded primitive
+    all_gather. Raises CollectiveMismatchError on every rank for a disagreement."""
     if ctx.size == 1:
-        words = header.call_words(kind, root=root, flags=flags, nbytes=row.length, aux=row.blob)
-        return Gathered(buffers.assemble(row.parts, align(row.length), ctx.device).view(1, -1), [words])
+        return Gathered(buffers.assemble(row.parts, align(row.length), ctx.device).view(1, -1))
     if not check and layout.fixed_only:
-        return _gather_rows(ctx, layout, row, align(row.length), [])
-    words = header.call_words(kind, root=root, flags=flags, digest=spec.digest(mode), fixed=layout.fixed_end,
-                              nbytes=row.length, inline=int(row.inline), aux=row.blob)
-    gathered = header.exchange(ctx, words)
-    metas = header.agree(ctx, gathered, lambda: spec.describe(mode), _HINTS.get(mode, ""))
-    longest = max(m[header.W_NBYTES] for m in metas)
-    if all(m[header.W_INLINE] for m in metas):
-        return Gathered(header.payload_rows(gathered, longest), metas, inline=gathered)
-    if row.inline:  # another rank's row did not fit: send this one again, from the header's payload
-        row.parts = [(0, header.payload(ctx)[0][: row.length])]
-    return _gather_rows(ctx, layout, row, align(longest), metas)
+        return _gather_rows(ctx, layout, row, align(row.length))
+    call = call._replace(digest=spec.digest(mode), fixed=layout.fixed_end)
+    words = row.words
+    halves = header.exchange(ctx, words if words is not None else header.begin(ctx), header.tag(ctx, call),
+                             None if words is not None else header.units(row.length))
+    lows = header.agree(ctx, halves, call, lambda: spec.describe(mode), _HINTS.get(mode, ""))
+    if words is not None:
+        return Gathered(words.rows(), inline=True)
+    return _gather_rows(ctx, layout, row, max(lows) * header.UNIT)
 
 
-def _gather_rows(ctx: Context, layout: Layout, row: Row, length: int, metas: List[List[int]]) -> Gathered:
+def _gather_rows(ctx: Context, layout: Layout, row: Row, length: int) -> Gathered:
     """The primitive all_gather of every rank's row padded to ``length``; one large tensor goes into a
     reused output buffer (warm memory, no page faults)."""
     mine = buffers.assemble(row.parts, length, ctx.device)
@@ -170,8 +165,8 @@ def _gather_rows(ctx: Context, layout: Layout, row: Row, length: int, metas: Lis
         slot = pool.acquire((size, bucket.numel), bucket.wire, ctx.device)
         ctx.strategy.all_gather_into(slot.buffer.view(torch.uint8).view(size, length), mine, ctx.group)
         slot.commit()
-        return Gathered(None, metas, slot)
-    return Gathered(ctx.strategy.all_gather(mine, ctx.group), metas)
+        return Gathered(None, slot)
+    return Gathered(ctx.strategy.all_gather(mine, ctx.group))
 
 
 # ---------------------------------------------------------------------------------------------- decoding
@@ -206,16 +201,9 @@ def decode(ctx: Context, spec: Spec, layout: Layout, leaves: Sequence[Any],
 
 
 def _bucket_rows(got: Gathered, bucket: Bucket) -> Tensor:
-    """``(size, numel)`` typed view of the bucket in every row; made once per bucket when the rows are the
-    payloads of the reused gathered-headers buffer."""
+    """``(size, numel)`` typed view of the bucket in every row."""
     assert got.rows is not None
-    if got.inline is None:
-        return buffers.bucket_rows(got.rows, bucket)
-    cached = bucket.cache.get("inline rows")
-    if cached is None or cached[0] is not got.inline:
-        rows = header.payload_rows(got.inline, bucket.offset + bucket.nbytes)
-        cached = bucket.cache["inline rows"] = (got.inline, buffers.bucket_rows(rows, bucket))
-    return cached[1]
+    return buffers.inline_rows(got.rows, bucket) if got.inline else buffers.bucket_rows(got.rows, bucket)
 
 
 def _decode_var(spec: Spec, layout: Layout, got: Gathered, r: int) -> Tuple[List[Tensor], List[Any]]:
@@ -240,6 +228,5 @@ def _decode_var(spec: Spec, layout: Layout, got: Gathered, r: int) -> Tuple[List
         offset = align(offset + nbytes)
     objects: List[Any] = []
     if layout.object_ids:
-        blob = got.metas[r][header.W_AUX]
-        objects = pickle.loads(row[offset:offset + blob].cpu().numpy().tobytes())
+        objects = pickle.loads(row[offset:].cpu().numpy().tobytes())
     return tensors, objects

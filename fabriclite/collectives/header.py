@@ -1,14 +1,26 @@
-"""The agreement header: the first (and for small payloads the only) collective of every call.
+"""The agreement header: the first (and for data of at most 4 bytes the only) collective of every call.
 
-Every rank sends a fixed-size int64 header whatever it holds (so the exchange itself always matches up):
-the protocol magic, the collective's kind, its op and root, flags, a 128-bit structure digest, byte counts
-and an inline payload (the data itself when it is small, or this rank's local error text). Every rank then
-decides from the same gathered headers, so a mismatch raises the same ``CollectiveMismatchError`` on every
-rank before any data moves, and the group stays usable.
+Every rank contributes one 64-bit word to one int64 SUM all_reduce of ``group size`` words: its own word
+at its own index, zeros elsewhere, so the sum hands every rank every rank's word bit for bit. That is an
+all_gather at the price of the cheapest all_reduce (in gloo an all_reduce of at most one element per rank
+is one exchange; an all_gather, or a longer all_reduce, costs about a third more). Every call of every
+kind starts with this same exchange, so one rank calling all_reduce while another calls all_gather meets
+here and raises instead of hanging or mixing data.
+
+A word is a 32-bit call tag over 32 bits of payload. The tag is a hash of the collective, its op, root and
+flags, the 128-bit digest of the collection's structure and its fixed payload size: 0 is never sent by a
+fabriclite collective, 1 says "this rank failed locally". The payload is the data itself when it is at
+most 4 bytes (one float32 0-d tensor, say), else a size (in 16-byte units) or 0. Equal tags on every rank:
+the call goes on. Anything else (a local error, a different call, a different structure) sends every rank
+into one detailed exchange of full call descriptions (an object all_gather, only on this path), after
+which every rank raises the same ``CollectiveMismatchError``, and the group stays usable. Two different
+calls share a tag with probability 2**-32.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
+import hashlib
+import struct
+from typing import Callable, Dict, List, NamedTuple, NoReturn, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -16,17 +28,20 @@ from torch import Tensor
 from fabriclite.collectives import ops
 from fabriclite.collectives.state import Context
 
-MAGIC = 0x464C4331  # "FLC1": fabriclite collectives, protocol 1
-#: meta word positions; every rank must send the same words up to W_FIXED
-(W_MAGIC, W_KIND, W_OP, W_ROOT, W_FLAGS, W_DIGEST0, W_DIGEST1, W_FIXED, W_NBYTES, W_INLINE, W_AUX, W_ERROR) = range(12)
-META_WORDS = 16
-META_BYTES = META_WORDS * 8
+MAGIC = 0x464C4332  # "FLC2": fabriclite collectives, protocol 2
+TAG_NONE, TAG_ERROR = 0, 1
+#: inline payload bytes per rank (the low half of its word)
+CAPACITY = 4
+#: sizes travel in units of UNIT bytes, so 32 bits cover 64 GiB
+UNIT = 16
+MAX_SIZE = (1 << 32) - 1
 
 BARRIER, BROADCAST, ALL_REDUCE, ALL_GATHER, GATHER, REDUCE = range(1, 7)
 KIND_NAMES = {BARRIER: "barrier", BROADCAST: "broadcast", ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather",
               GATHER: "gather", REDUCE: "reduce"}
 FLAG_CAT = 1
 _MAX_LISTED = 8
+_PACK = struct.Struct("<8q")
 
 
 class CollectiveMismatchError(ValueError):
@@ -34,164 +49,184 @@ class CollectiveMismatchError(ValueError):
     before any data moved. Raised with the same message on every rank of the group, which stays usable."""
 
 
-def capacity(size: int) -> int:
-    """Inline payload bytes per rank for a group of ``size``: 8 KiB for small groups, shrinking so the
-    gathered headers stay near 32 KiB, never below 256 bytes."""
-    return max(256, min(8192, (32768 // max(size, 1)) // 16 * 16))
+class Call(NamedTuple):
+    """What every rank of one collective call must agree on."""
+
+    kind: int
+    op: int = 0
+    root: int = -1
+    flags: int = 0
+    digest: Tuple[int, int] = (0, 0)
+    fixed: int = 0
 
 
-def header_words(size: int) -> int:
-    return META_WORDS + capacity(size) // 8
+def units(nbytes: int) -> int:
+    """``nbytes`` in UNIT-byte units, rounded up; ValueError beyond what a header word carries."""
+    n = -(-nbytes // UNIT)
+    if n > MAX_SIZE:
+        raise ValueError(f"{nbytes} bytes from one rank in one call is more than a collective carries "
+                         f"({MAX_SIZE * UNIT} bytes); split the data over several calls.")
+    return n
 
 
-class _HeaderBuffer:
-    """This rank's header (int64) and the gathered headers, reused across calls (nothing handed to a caller
-    is a view of them): the header's payload region as a uint8 tensor and (CPU) a numpy array over the
-    same memory."""
+class Words:
+    """The header buffer of one group on this rank, reused across calls: ``tensor`` (``size`` int64 words),
+    this rank's inline ``payload`` (CAPACITY bytes, uint8; ``payload_np``: the same memory as a numpy array
+    on CPU, else None) and, after an exchange, ``rows()``: every rank's payload. Nothing handed to a caller is a view of it."""
 
-    def __init__(self, size: int, device: torch.device) -> None:
-        words = header_words(size)
-        self.words = torch.zeros(words, dtype=torch.int64, device=device)
-        self.gathered = torch.zeros((size, words), dtype=torch.int64, device=device)
-        self.numpy = self.words.numpy() if self.words.device.type == "cpu" else None
-        self.payload = self.words.view(torch.uint8)[META_BYTES:]
-        self.payload_np = self.numpy.view("uint8")[META_BYTES:] if self.numpy is not None else None
+    def __init__(self, size: int, index: int, device: torch.device) -> None:
+        self.index = index
+        self.tensor = torch.zeros(size, dtype=torch.int64, device=device)
+        raw = self.tensor.view(torch.uint8)
+        self.payload = raw[8 * index:8 * index + CAPACITY]
+        self._rows = raw.view(size, 8)[:, :CAPACITY]
+        self.result = self.tensor
+        self.numpy = self.tensor.numpy() if self.tensor.device.type == "cpu" else None
+        self.halves = self.numpy.view("uint32") if self.numpy is not None else None
+        self.payload_np = self.numpy.view("uint8")[8 * index:8 * index + CAPACITY] if self.numpy is not None else None
+
+    def rows(self) -> Tensor:
+        """Every rank's inline payload after ``exchange``: ``(size, CAPACITY)`` uint8."""
+        if self.result is self.tensor:
+            return self._rows
+        return self.result.view(torch.uint8).view(-1, 8)[:, :CAPACITY]
+
+    def clear(self) -> "Words":
+        if self.numpy is not None:
+            self.numpy[:] = 0
+        else:
+            self.tensor.zero_()
+        return self
 
 
-def _buffer(ctx: Context) -> _HeaderBuffer:
-    key = (ctx.size, ctx.device)
-    entry = ctx.state.headers.get(key)
-    if entry is None:
-        entry = ctx.state.headers[key] = _HeaderBuffer(ctx.size, ctx.device)
-    return entry
+def begin(ctx: Context) -> Words:
+    """This group's header buffer, cleared: write this rank's inline payload into it, then ``exchange``."""
+    key = (ctx.size, ctx.index, ctx.device)
+    words = ctx.state.headers.get(key)
+    if words is None:
+        words = ctx.state.headers[key] = Words(ctx.size, ctx.index, ctx.device)
+    return words.clear()
 
 
-def payload(ctx: Context) -> Tuple[Tensor, Optional[Any]]:
-    """This rank's inline payload region (``capacity`` bytes) of its header buffer, as a uint8 tensor and,
-    on CPU, the same memory as a numpy array (else None); write it before ``exchange``."""
-    entry = _buffer(ctx)
-    return entry.payload, entry.payload_np
+def call_tag(call: Call) -> int:
+    """The 32-bit tag of ``call``: never TAG_NONE or TAG_ERROR, the same in every process."""
+    raw = hashlib.blake2b(_PACK.pack(MAGIC, call.kind, call.op, call.root, call.flags, call.digest[0],
+                                     call.digest[1], call.fixed), digest_size=8).digest()
+    return int.from_bytes(raw, "little") % (MAX_SIZE - 1) + 2
 
 
-def exchange(ctx: Context, words: Sequence[int], parts: Sequence[Tuple[int, Tensor]] = ()) -> Tensor:
-    """Gather every rank's header: ``words`` (the meta words, at most META_WORDS) and ``parts`` ((byte
-    offset, uint8 tensor) pieces of this rank's inline payload). Returns ``(size, header_words)`` int64."""
-    entry = _buffer(ctx)
-    if entry.numpy is not None:
-        entry.numpy[: len(words)] = words
+def tag(ctx: Context, call: Call) -> int:
+    """``call_tag(call)``, remembered per strategy."""
+    tags = ctx.state.tags
+    value = tags.get(call)
+    if value is None:
+        value = tags[call] = call_tag(call)
+    return value
+
+
+def exchange(ctx: Context, words: Words, tag_value: int, low: Optional[int] = None) -> List[int]:
+    """Send this rank's word (``tag_value`` over ``low``, or over the payload already written) and return
+    every rank's halves, flat: ``[low_0, tag_0, low_1, tag_1, ...]``; ``words.rows()`` then holds every
+    rank's payload."""
+    i = 2 * words.index
+    halves = words.halves
+    if halves is not None:
+        halves[i + 1] = tag_value
+        if low is not None:
+            halves[i] = low
     else:
-        entry.words[: len(words)].copy_(torch.tensor(words, dtype=torch.int64))
-    for offset, part in parts:
-        entry.payload[offset:offset + part.numel()].copy_(part)
-    return ctx.strategy.all_gather_into(entry.gathered, entry.words, ctx.group)
+        pair = words.tensor.view(torch.int32)
+        pair[i + 1:i + 2].fill_(_signed(tag_value))
+        if low is not None:
+            pair[i:i + 1].fill_(_signed(low))
+    words.result = result = ctx.strategy.all_reduce(words.tensor, "sum", ctx.group)
+    if halves is not None and result is words.tensor:
+        return halves.tolist()
+    return result.cpu().numpy().view("uint32").tolist()
 
 
-def meta(gathered: Tensor) -> List[List[int]]:
-    if gathered.device.type == "cpu":
-        return gathered.numpy()[:, :META_WORDS].tolist()
-    return gathered[:, :META_WORDS].tolist()
+def _signed(value: int) -> int:
+    return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def payload_rows(gathered: Tensor, nbytes: int) -> Tensor:
-    """``(size, nbytes)`` uint8 view of every rank's inline payload."""
-    return gathered.view(torch.uint8)[:, META_BYTES:META_BYTES + nbytes]
+def agree(ctx: Context, halves: List[int], call: Call, describe: Optional[Callable[[], List[str]]] = None,
+          hint: str = "") -> List[int]:
+    """Every rank's low half when every rank sent this ``call``'s tag. Otherwise raises the same
+    CollectiveMismatchError on every rank, after one detailed exchange: a rank's local error, different
+    collectives, ops, roots or flags, different structures (``describe``: this rank's structure lines) or
+    payload sizes."""
+    tags = halves[1::2]
+    first = tags[0]
+    if first > TAG_ERROR and tags.count(first) == len(tags):
+        return halves[0::2]
+    _disagree(ctx, tags, call, None, describe, hint)
 
 
-def bytes_tensor(raw: bytes, device: torch.device) -> Tensor:
-    """``raw`` as a uint8 tensor on ``device``."""
-    if not raw:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
-
-
-def fail(ctx: Context, kind: int, error: BaseException, root: int = -1, flags: int = 0) -> NoReturn:
+def fail(ctx: Context, call: Call, error: BaseException) -> NoReturn:
     """Report this rank's local ``error`` through the header exchange, so that every rank raises the same
     CollectiveMismatchError (here chained to ``error``) instead of the others waiting for this one."""
-    text = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[: capacity(ctx.size)] or b"?"
-    gathered = exchange(ctx, call_words(kind, root=root, flags=flags, error=len(text)),
-                        [(0, bytes_tensor(text, ctx.device))])
+    halves = exchange(ctx, begin(ctx), TAG_ERROR, 0)
     try:
-        agree(ctx, gathered)
+        _disagree(ctx, halves[1::2], call, f"{type(error).__name__}: {error}", None, "")
     except CollectiveMismatchError as mismatch:
         raise mismatch from error
-    raise AssertionError("agree() raises for a local error")  # pragma: no cover
 
 
-def call_words(kind: int, op: int = 0, root: int = -1, flags: int = 0, digest: Tuple[int, int] = (0, 0),
-               fixed: int = 0, nbytes: int = 0, inline: int = 0, aux: int = 0, error: int = 0) -> List[int]:
-    return [MAGIC, kind, op, root, flags, digest[0], digest[1], fixed, nbytes, inline, aux, error]
-
-
-# ---------------------------------------------------------------------------------------------- agreement
-def agree(ctx: Context, gathered: Tensor, describe: Optional[Callable[[], List[str]]] = None,
-          hint: str = "") -> List[List[int]]:
-    """Check the gathered headers; return every rank's meta words. Raises CollectiveMismatchError (the same
-    on every rank) when a rank reported a local error, or the ranks called different collectives, ops,
-    roots or flags, or their structures differ (``describe`` gives this rank's structure lines for the
-    message; exchanged only on that path)."""
-    rows = meta(gathered)
-    first = rows[0]
-    agreed = first[: W_FIXED + 1]
-    if first[W_MAGIC] == MAGIC and all(row[: W_FIXED + 1] == agreed and not row[W_ERROR] for row in rows):
-        return rows  # the common case: every agreed word equal, no local error
-    bad_magic = [r for r, row in enumerate(rows) if row[W_MAGIC] != MAGIC]
-    if bad_magic:
-        raise CollectiveMismatchError(
-            f"ranks {_global(ctx, bad_magic)} sent no fabriclite collective header: every rank must call the same "
-            "fabriclite collective at this point (not torch.distributed directly), with the same fabriclite version.")
-    failed = [r for r, row in enumerate(rows) if row[W_ERROR]]
-    if failed:
-        raise CollectiveMismatchError(_local_errors(ctx, gathered, rows, failed))
-    for word, what in ((W_KIND, "collective"), (W_OP, "reduce_op"), (W_ROOT, "root"), (W_FLAGS, "cat")):
-        if any(row[word] != first[word] for row in rows):
-            raise CollectiveMismatchError(_different_calls(ctx, rows, what))
-    if any(row[W_DIGEST0] != first[W_DIGEST0] or row[W_DIGEST1] != first[W_DIGEST1] for row in rows):
-        lines = ctx.strategy.all_gather_object(describe() if describe else [], ctx.group)
-        raise CollectiveMismatchError(_structure_diff(ctx, first[W_KIND], lines, hint))
-    if any(row[W_FIXED] != first[W_FIXED] for row in rows):
-        raise CollectiveMismatchError(f"{KIND_NAMES.get(first[W_KIND])}: ranks disagree on the payload size "
-                                      f"({[row[W_FIXED] for row in rows]} bytes).")
-    return rows
-
-
-def _global(ctx: Context, indices: Sequence[int]) -> List[int]:
+# ---------------------------------------------------------------------------------------------- disagreement
+def _disagree(ctx: Context, tags: List[int], call: Call, error: Optional[str],
+              describe: Optional[Callable[[], List[str]]], hint: str) -> NoReturn:
     ranks = ctx.ranks
-    return [ranks[i] for i in indices]
+    silent = [ranks[r] for r, t in enumerate(tags) if t == TAG_NONE]
+    if silent:  # such a rank is not in this code: no further exchange with it
+        raise CollectiveMismatchError(
+            f"ranks {silent} sent no fabriclite collective header: every rank must call the same "
+            "fabriclite collective at this point (not torch.distributed directly), with the same fabriclite version.")
+    try:
+        lines = describe() if describe is not None and error is None else []
+    except Exception as err:  # pragma: no cover - describing never fails for a collection that was walked
+        lines, error = [], f"{type(err).__name__}: {err}"
+    mine = (tuple(call), error, lines)
+    infos = [(Call(*c), e, l) for c, e, l in ctx.strategy.all_gather_object(mine, ctx.group)]
+    raise CollectiveMismatchError(_explain(ctx, infos, hint))
 
 
-def _local_errors(ctx: Context, gathered: Tensor, rows: List[List[int]], failed: List[int]) -> str:
-    texts = []
-    data = gathered.view(torch.uint8)
-    for r in failed:
-        n = rows[r][W_ERROR]
-        raw = bytes(data[r, META_BYTES:META_BYTES + n].cpu().tolist())
-        texts.append(f"rank {ctx.ranks[r]}: {raw.decode('utf-8', 'replace')}")
-    kind = KIND_NAMES.get(rows[failed[0]][W_KIND], "collective")
-    return (f"{kind} failed before any data moved, on rank{'s' if len(failed) > 1 else ''} "
-            f"{_global(ctx, failed)}: " + "; ".join(texts))
+def _explain(ctx: Context, infos: List[Tuple[Call, Optional[str], List[str]]], hint: str) -> str:
+    ranks = ctx.ranks
+    calls = [c for c, _, _ in infos]
+    failed = [r for r, (_, e, _) in enumerate(infos) if e is not None]
+    if failed:
+        texts = "; ".join(f"rank {ranks[r]}: {infos[r][1]}" for r in failed)
+        kind = KIND_NAMES.get(calls[failed[0]].kind, "collective")
+        return (f"{kind} failed before any data moved, on rank{'s' if len(failed) > 1 else ''} "
+                f"{[ranks[r] for r in failed]}: {texts}")
+    first = calls[0]
+    if any(c[:4] != first[:4] for c in calls):
+        listed = "; ".join(f"rank {rank}: {describe_call(c)}" for rank, c in zip(ranks, calls))
+        return (f"the ranks called different collectives at this point ({listed}); every rank of the group must "
+                "make the same collective calls, with the same arguments, in the same order.")
+    if any(c.digest != first.digest for c in calls):
+        return _structure_diff(ctx, first.kind, [lines for _, _, lines in infos], hint)
+    if any(c.fixed != first.fixed for c in calls):
+        return (f"{KIND_NAMES.get(first.kind)}: ranks disagree on the payload size "
+                f"({[c.fixed for c in calls]} bytes).")
+    return ("the ranks' collective headers differ though their calls agree: every rank must run the same "
+            "fabriclite version.")
 
 
-def describe_call(row: List[int]) -> str:
+def describe_call(call: Call) -> str:
     """``all_reduce(reduce_op='sum')``, ``broadcast(src=1)``, ``all_gather(cat=True)``, ... for messages."""
-    kind = row[W_KIND]
+    kind = call.kind
     name = KIND_NAMES.get(kind, f"<unknown collective {kind}>")
     args = []
     if kind in (ALL_REDUCE, REDUCE):
-        args.append(f"reduce_op={ops.OP_NAMES.get(row[W_OP], '?')!r}")
+        args.append(f"reduce_op={ops.OP_NAMES.get(call.op, '?')!r}")
     if kind == BROADCAST:
-        args.append(f"src={row[W_ROOT]}")
+        args.append(f"src={call.root}")
     if kind in (GATHER, REDUCE):
-        args.append(f"dst={row[W_ROOT]}")
+        args.append(f"dst={call.root}")
     if kind == ALL_GATHER:
-        args.append(f"cat={bool(row[W_FLAGS] & FLAG_CAT)}")
+        args.append(f"cat={bool(call.flags & FLAG_CAT)}")
     return f"{name}({', '.join(args)})"
-
-
-def _different_calls(ctx: Context, rows: List[List[int]], what: str) -> str:
-    calls = [describe_call(row) for row in rows]
-    listed = "; ".join(f"rank {rank}: {call}" for rank, call in zip(ctx.ranks, calls))
-    return (f"the ranks called different collectives at this point ({listed}); every rank of the group must "
-            "make the same collective calls, with the same arguments, in the same order.")
 
 
 def _structure_diff(ctx: Context, kind: int, lines: List[List[str]], hint: str) -> str:
@@ -221,3 +256,10 @@ def _structure_diff(ctx: Context, kind: int, lines: List[List[str]], hint: str) 
     return (f"{name}: the ranks' collections differ: " + "; ".join(problems[:_MAX_LISTED]) + more +
             f". Every rank must pass the same keys (insertion order does not matter), container kinds, dtypes "
             f"and shapes{hint}.")
+
+
+def bytes_tensor(raw: bytes, device: torch.device) -> Tensor:
+    """``raw`` as a uint8 tensor on ``device``."""
+    if not raw:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)

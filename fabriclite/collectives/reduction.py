@@ -1,5 +1,5 @@
 """all_reduce and reduce over nested collections: one header exchange (which carries the data itself when
-it is small, every rank then reducing the gathered rows), else one primitive all_reduce per bucket."""
+it is at most 4 bytes, every rank then reducing every rank's copy), then one primitive all_reduce per bucket."""
 from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
@@ -24,45 +24,40 @@ def run(ctx: Context, data: Any, reduce_op: Any, check: bool, kind: int = header
     """Reduce ``data`` over ``ctx``'s group (see ``fabriclite.collectives.all_reduce``); for ``kind`` REDUCE
     only the rank ``dst`` gets the result (None elsewhere)."""
     root = -1 if dst is None else dst
+    call = header.Call(kind, root=root)
+    checked = check and ctx.size > 1
     try:
         tree, leaves = flatten(data)
         spec = ctx.state.specs.get(tree, leaves)
         op = ops.parse_reduce_op(reduce_op)
+        call = header.Call(kind, ops.OP_CODES[op], root)
         ops.check_supported(op, ctx.strategy.supported_reduce_ops)
         if dst is not None:
             ctx.member_index(dst, f"dst={dst}")
         layout = spec.reduce_layout(op)
-        inline = ctx.size > 1 and check and layout.fixed_end <= header.capacity(ctx.size)
-        if inline:
-            buffers.write_inline(layout.buckets, leaves, *header.payload(ctx), ctx.device)
+        inline = checked and layout.used <= header.CAPACITY
+        if inline:  # the data rides in the header word: one collective in all
+            words = header.begin(ctx)
+            buffers.write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device)
             wire: List[Reduced] = []
         else:  # packed before the header, so that a failure to pack is reported to every rank
             wire = _local(ctx, layout, leaves) if ctx.size == 1 else _pack(ctx, layout, leaves, op)
     except Exception as err:  # on one rank only, maybe: every rank must hear of it
-        if ctx.size == 1 or not check:
+        if not checked:
             raise
-        header.fail(ctx, kind, err, root)
-    if check and ctx.size > 1:
-        words = header.call_words(kind, ops.OP_CODES[op], root, digest=spec.digest("reduce"),
-                                  fixed=layout.fixed_end, inline=int(inline))
-        gathered = header.exchange(ctx, words)
-        header.agree(ctx, gathered, lambda: spec.describe("reduce"))
+        header.fail(ctx, call, err)
+    if checked:
+        call = call._replace(digest=spec.digest("reduce"), fixed=layout.fixed_end)
+        halves = header.exchange(ctx, words if inline else header.begin(ctx), header.tag(ctx, call),
+                                 None if inline else 0)
+        header.agree(ctx, halves, call, lambda: spec.describe("reduce"))
         if inline:
-            wire = [(ops.reduce_rows(_inline_rows(gathered, b), op), False, None) for b in layout.buckets]
+            rows = words.rows()
+            wire = [(ops.reduce_rows(buffers.inline_rows(rows, b), op), False, None) for b in layout.buckets]
     reduced = wire if ctx.size == 1 or inline else _all_reduce(ctx, wire, op)
     if dst is not None and ctx.strategy.global_rank != dst:
         return None
     return rebuild(tree, _results(ctx, layout, leaves, reduced, op), data)
-
-
-def _inline_rows(gathered: Tensor, bucket: Bucket) -> Tensor:
-    """``(size, numel)`` typed view of the bucket in every rank's inline payload. The gathered headers are a
-    buffer reused across calls, so the view is made once per bucket and buffer."""
-    cached = bucket.cache.get("inline rows")
-    if cached is None or cached[0] is not gathered:
-        rows = header.payload_rows(gathered, bucket.offset + bucket.nbytes)
-        cached = bucket.cache["inline rows"] = (gathered, buffers.bucket_rows(rows, bucket))
-    return cached[1]
 
 
 def _local(ctx: Context, layout: Layout, leaves: Sequence[Any]) -> List[Reduced]:

@@ -152,6 +152,11 @@ class Layout:
     passthrough_ids: List[int] = field(default_factory=list)
 
     @property
+    def used(self) -> int:
+        """Bytes up to the end of the last bucket (a fixed-only layout's unaligned row length)."""
+        return max((b.offset + b.nbytes for b in self.buckets), default=self.nvar * 8)
+
+    @property
     def fixed_only(self) -> bool:
         return not self.var_ids and not self.object_ids
 

@@ -1,5 +1,5 @@
-"""Per-strategy state of the collectives (structure caches, header buffers, call counters) and the context
-of one call (the group, its size, this rank's place in it, the device buffers live on)."""
+"""Per-strategy state of the collectives (structure caches, header buffers and tags, call counters) and the
+context of one call (the group, its size, this rank's place in it, the device buffers live on)."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
@@ -19,7 +19,10 @@ class State:
     def __init__(self) -> None:
         self.specs = SpecCache()
         self.rank_zero_first_calls = 0
-        self.headers: Dict[Tuple[int, torch.device], Any] = {}
+        #: (group size, this rank's index, device) -> the header buffer
+        self.headers: Dict[Tuple[int, int, torch.device], Any] = {}
+        #: header Call -> its 32-bit tag
+        self.tags: Dict[Any, int] = {}
         self.ranks: Dict[Any, List[int]] = {}
         #: id(group handle) -> (handle, group size, this rank's index): a group's membership never changes
         self.places: Dict[int, Tuple[Any, int, int]] = {}

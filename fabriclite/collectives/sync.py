@@ -21,7 +21,8 @@ def barrier(ctx: Context, name: Optional[str], check: bool) -> None:
     if not check:
         ctx.strategy.barrier(name, ctx.group)
         return
-    header.agree(ctx, header.exchange(ctx, header.call_words(header.BARRIER)))
+    call = header.Call(header.BARRIER)
+    header.agree(ctx, header.exchange(ctx, header.begin(ctx), header.tag(ctx, call), 0), call)
 
 
 class RankZeroFailed(RuntimeError):
