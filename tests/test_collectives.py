@@ -443,3 +443,69 @@ def test_check_false_skips_the_header(pool2):
 def test_errors_are_picklable_for_the_pool():
     err = CollectiveMismatchError("x")
     assert isinstance(pickle.loads(pickle.dumps(err)), ValueError)
+
+
+# ---------------------------------------------------------------------------------------------- header widths
+def _collectives_per_call(fabric, fn, calls=3):
+    """Primitive collectives entered per call of ``fn`` (the strategy's own per-group counter), after the
+    group's header has settled on a width for it."""
+    counts = fabric.strategy._watch.counts
+    key = tuple(range(fabric.world_size))
+    fn()
+    before = counts.get(key, 0)
+    for _ in range(calls):
+        fn()
+    return (counts[key] - before) / calls
+
+
+def _widths(fabric):
+    rank = fabric.global_rank
+    one = {"loss": torch.tensor(1.0 + rank)}
+    ten = {f"m{i}": torch.tensor(float(i * (rank + 1))) for i in range(10)}
+    many = {f"k{i}": torch.tensor(float(i + rank)) for i in range(3000)}  # 12 KB: more than a header holds
+    counts = {
+        "1 leaf": _collectives_per_call(fabric, lambda: fabric.all_reduce(one)),
+        "10 leaves": _collectives_per_call(fabric, lambda: fabric.all_reduce(ten, reduce_op="sum")),
+        "3000 leaves": _collectives_per_call(fabric, lambda: fabric.all_reduce(many, reduce_op="sum")),
+        "barrier": _collectives_per_call(fabric, fabric.barrier),
+        "small broadcast": _collectives_per_call(fabric, lambda: fabric.broadcast({"lr": 0.1, "tag": "x"}, src=1)),
+    }
+    # every width change keeps every kind of call right: alternate sizes and kinds on one group
+    checks = []
+    for size in (1, 3, 300, 1, 5000, 2, 40, 1):
+        data = {f"v{i}": torch.tensor(float(i + 10 * rank)) for i in range(size)}
+        reduced = fabric.all_reduce(data, reduce_op="sum")
+        checks.append(all(reduced[f"v{i}"].item() == 2 * i + 10 for i in range(size)))
+        gathered = fabric.all_gather(data)
+        checks.append(all(gathered[f"v{i}"].tolist() == [i, i + 10] for i in range(size)))
+        uneven = fabric.all_gather(torch.arange(size * (rank + 1)), cat=True)
+        checks.append(uneven.tolist() == list(range(size)) + list(range(2 * size)))
+        message = fabric.broadcast({"text": "y" * size * 3, "t": torch.arange(size)} if rank == 1 else None, src=1)
+        checks.append(message["text"] == "y" * size * 3 and message["t"].tolist() == list(range(size)))
+        everyone = fabric.gather({"rank": rank, "name": "r" * (size % 7)}, dst=0)
+        checks.append(rank != 0 or everyone == [{"rank": r, "name": "r" * (size % 7)} for r in range(2)])
+        fabric.barrier()
+    return counts, checks
+
+
+def test_small_calls_are_one_collective_and_widths_follow_the_data(pool2):
+    for counts, checks in pool2.run(_widths):
+        assert all(checks), checks
+        assert counts == {"1 leaf": 1, "10 leaves": 1, "3000 leaves": 2, "barrier": 1, "small broadcast": 1}, counts
+
+
+def _width_mismatch(fabric):
+    # after a wide call, the ranks' calls differ in size and kind: the header widths stay in step (every
+    # call before agreed), so the call that does not pair up raises on every rank, and the next one works
+    rank = fabric.global_rank
+    big = {f"k{i}": torch.tensor(1.0) for i in range(500)}
+    fabric.all_reduce(big)
+    outcome = _errors_then_usable(fabric, lambda: fabric.all_reduce(big if rank == 0 else 1.0))
+    after = fabric.all_reduce(big, reduce_op="sum")
+    return outcome, after["k7"].item()
+
+
+def test_a_call_that_does_not_pair_up_after_a_width_change_fails_everywhere(pool2):
+    results = pool2.run(_width_mismatch)
+    _assert_same_error_everywhere([r[0] for r in results], "all_reduce")
+    assert [r[1] for r in results] == [2.0, 2.0]

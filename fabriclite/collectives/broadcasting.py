@@ -1,8 +1,9 @@
 """broadcast of any picklable object: the object is pickled with its tensors left out (a skeleton), the
 tensors travel as raw bytes and are rebuilt on each receiver's device.
 
-The header exchange checks that every rank calls broadcast with the same ``src`` and carries the message's
-length from ``src``; the message (skeleton and tensor bytes) follows in one primitive broadcast.
+The header exchange checks that every rank calls broadcast with the same ``src`` and carries ``src``'s
+message (skeleton and tensor bytes) when it fits, else its length; the message then follows in one
+primitive broadcast.
 """
 from __future__ import annotations
 
@@ -87,16 +88,25 @@ def broadcast(ctx: Context, obj: Any, src: int, check: bool) -> Any:
                 return _unchecked(ctx, obj, src, skeleton, parts, nbytes)
             message, length = _message(skeleton, parts, nbytes, ctx.device) if is_src else ([], 0)
             size = header.units(length)
+            words = header.begin(ctx)
+            if is_src and words.width > 1 and words.fits(length):  # rides inline in the header
+                buffers.write(words.payload, message)
         except Exception as err:  # on one rank only, maybe: every rank must hear of it
             if not check:
                 raise
             header.fail(ctx, call, err)
-        halves = header.exchange(ctx, header.begin(ctx), header.tag(ctx, call), size)
-        length = header.agree(ctx, halves, call)[src_index] * header.UNIT
-        if is_src:
+        lows = header.agree(ctx, words, header.exchange(ctx, words, header.tag(ctx, call), size), call)
+        length = lows[src_index] * header.UNIT
+        if words.width > 1 and words.fits(length):
+            if is_src:
+                return obj
+            data = words.rows()[src_index, :length].clone()
+        elif is_src:
             ctx.strategy.broadcast(buffers.assemble(message, length, ctx.device), src, ctx.group)
             return obj
-        data = ctx.strategy.broadcast(torch.empty(length, dtype=torch.uint8, device=ctx.device), src, ctx.group)
+        else:
+            data = ctx.strategy.broadcast(torch.empty(length, dtype=torch.uint8, device=ctx.device), src,
+                                          ctx.group)
         skeleton_len = int(data[:8].view(torch.int64).item())
         start = _SKELETON_AT + skeleton_len
         skeleton = data[_SKELETON_AT:start].cpu().numpy().tobytes()

@@ -27,12 +27,12 @@ _HINTS = {"cat": " (with cat=True, dim 0 may differ)",
 
 @dataclass
 class Row:
-    """This rank's row: its ``length`` and either ``words`` (the header buffer its payload was written
-    into: inline) or ``parts`` ((byte offset, uint8 tensor)) to assemble."""
+    """This rank's row: its ``length`` and either ``inline`` (written into the header's payload) or
+    ``parts`` ((byte offset, uint8 tensor)) to assemble."""
 
     parts: List[Tuple[int, Tensor]] = field(default_factory=list)
     length: int = 0
-    words: Optional[header.Words] = None
+    inline: bool = False
 
 
 @dataclass
@@ -54,12 +54,13 @@ def all_gather(ctx: Context, data: Any, sync_grads: bool, cat: bool, check: bool
             tree, leaves = flatten(data)
             spec = ctx.state.specs.get(tree, leaves)
             layout = spec.gather_layout(mode)
-            row = build_row(ctx, layout, leaves, may_inline=ctx.size > 1 and (check or not layout.fixed_only))
+            words = header.begin(ctx) if ctx.size > 1 and (check or not layout.fixed_only) else None
+            row = build_row(ctx, layout, leaves, words)
         except Exception as err:  # on one rank only, maybe: every rank must hear of it
             if ctx.size == 1 or not check:
                 raise
             header.fail(ctx, call, err)
-        got = exchange_rows(ctx, spec, layout, row, call, mode, check)
+        got = exchange_rows(ctx, spec, layout, row, words, call, mode)
         outs, shapes = decode(ctx, spec, layout, leaves, got)
     if sync_grads and torch.is_grad_enabled():
         outs = attach_gather_grads(ctx, spec, layout, leaves, outs, shapes)
@@ -79,12 +80,13 @@ def gather(ctx: Context, data: Any, dst: int) -> Optional[List[Any]]:
             tree, leaves = flatten(data)
             spec = ctx.state.specs.get(tree, leaves)
             layout = spec.gather_layout("gather")
-            row = build_row(ctx, layout, leaves, may_inline=ctx.size > 1)
+            words = header.begin(ctx) if ctx.size > 1 else None
+            row = build_row(ctx, layout, leaves, words)
         except Exception as err:
             if ctx.size == 1:
                 raise
             header.fail(ctx, call, err)
-        got = exchange_rows(ctx, spec, layout, row, call, "gather", True)
+        got = exchange_rows(ctx, spec, layout, row, words, call, "gather")
         if ctx.strategy.global_rank != dst:
             return None
         per_rank = [_decode_var(spec, layout, got, r) for r in range(ctx.size)]
@@ -98,19 +100,19 @@ def gather(ctx: Context, data: Any, dst: int) -> Optional[List[Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- rows
-def build_row(ctx: Context, layout: Layout, leaves: Sequence[Any], may_inline: bool) -> Row:
+def build_row(ctx: Context, layout: Layout, leaves: Sequence[Any], words: Optional[header.Words]) -> Row:
     """This rank's row (raises what packing or pickling raises, or ValueError for a row too long for one
-    call): written straight into the header's payload when ``may_inline`` and it fits, else as parts."""
+    call): written straight into the payload of the header ``words`` when it fits there, else as parts."""
     row = Row()
-    if may_inline and layout.fixed_only and layout.used <= header.CAPACITY:
-        row.words = header.begin(ctx)
-        buffers.write_inline(layout.buckets, leaves, row.words.payload, row.words.payload_np, ctx.device)
-        row.length = layout.used
-        return row
+    if words is not None and words.width == 1:  # 4 bytes: only a fixed row, the same length on every rank
+        if layout.fixed_only and words.fits(layout.used):
+            buffers.write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device)
+            row.length, row.inline = layout.used, True
+            return row
     extra = []
     if layout.nvar:
-        words = _var_words(layout, leaves)
-        extra.append((0, buffers.as_bytes(torch.tensor(words, dtype=torch.int64, device=ctx.device))))
+        var = _var_words(layout, leaves)
+        extra.append((0, buffers.as_bytes(torch.tensor(var, dtype=torch.int64, device=ctx.device))))
     offset = layout.fixed_end
     for i in layout.var_ids:
         raw = buffers.as_bytes(leaves[i].to(ctx.device))
@@ -122,6 +124,11 @@ def build_row(ctx: Context, layout: Layout, leaves: Sequence[Any], may_inline: b
         extra.append((offset, header.bytes_tensor(blob, ctx.device)))
         row.length = offset + len(blob)
     header.units(row.length)
+    if words is not None and words.width > 1 and words.fits(row.length):
+        buffers.write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device)
+        buffers.write(words.payload, extra)
+        row.inline = True
+        return row
     row.parts = [(b.offset, buffers.as_bytes(buffers.pack(b, leaves, ctx.device, copy=False)))
                  for b in layout.buckets] + extra
     return row
@@ -134,22 +141,26 @@ def _var_words(layout: Layout, leaves: Sequence[Any]) -> List[int]:
     return [d for s in shapes for d in s]
 
 
-def exchange_rows(ctx: Context, spec: Spec, layout: Layout, row: Row, call: header.Call, mode: str,
-                  check: bool) -> Gathered:
-    """Every rank's row: inline in the header when the rows are that short, else one padded primitive
-    all_gather. Raises CollectiveMismatchError on every rank for a disagreement."""
+def exchange_rows(ctx: Context, spec: Spec, layout: Layout, row: Row, words: Optional[header.Words],
+                  call: header.Call, mode: str) -> Gathered:
+    """Every rank's row: inline in the header (``words``; None: no header) when every row fits there, else
+    one padded primitive all_gather. Raises CollectiveMismatchError on every rank for a disagreement."""
     if ctx.size == 1:
         return Gathered(buffers.assemble(row.parts, align(row.length), ctx.device).view(1, -1))
-    if not check and layout.fixed_only:
+    if words is None:
         return _gather_rows(ctx, layout, row, align(row.length))
     call = call._replace(digest=spec.digest(mode), fixed=layout.fixed_end)
-    words = row.words
-    halves = header.exchange(ctx, words if words is not None else header.begin(ctx), header.tag(ctx, call),
-                             None if words is not None else header.units(row.length))
-    lows = header.agree(ctx, halves, call, lambda: spec.describe(mode), _HINTS.get(mode, ""))
-    if words is not None:
+    low = None if row.inline and words.width == 1 else header.units(row.length)
+    halves = header.exchange(ctx, words, header.tag(ctx, call), low)
+    lows = header.agree(ctx, words, halves, call, lambda: spec.describe(mode), _HINTS.get(mode, ""))
+    if words.width == 1 and row.inline:  # a fixed row: inline on every rank alike
         return Gathered(words.rows(), inline=True)
-    return _gather_rows(ctx, layout, row, max(lows) * header.UNIT)
+    longest = max(lows) * header.UNIT
+    if words.width > 1 and words.fits(longest):
+        return Gathered(words.rows(), inline=True)
+    if row.inline:  # another rank's row did not fit: send this one again, from the header's payload
+        row.parts = [(0, words.payload[:row.length])]
+    return _gather_rows(ctx, layout, row, longest)
 
 
 def _gather_rows(ctx: Context, layout: Layout, row: Row, length: int) -> Gathered:

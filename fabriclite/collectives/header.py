@@ -1,26 +1,30 @@
-"""The agreement header: the first (and for data of at most 4 bytes the only) collective of every call.
+"""The agreement header: the first (and for small data the only) collective of every call.
 
-Every rank contributes one 64-bit word to one int64 SUM all_reduce of ``group size`` words: its own word
-at its own index, zeros elsewhere, so the sum hands every rank every rank's word bit for bit. That is an
-all_gather at the price of the cheapest all_reduce (in gloo an all_reduce of at most one element per rank
-is one exchange; an all_gather, or a longer all_reduce, costs about a third more). Every call of every
-kind starts with this same exchange, so one rank calling all_reduce while another calls all_gather meets
-here and raises instead of hanging or mixing data.
+Every rank sends a header row of the same width: ``width`` int64 words, the last one a 32-bit call tag
+over 32 bits of size, the others inline payload (the data itself when it fits). Width 1 is exchanged by
+one int64 SUM all_reduce of ``group size`` words, each rank's word at its index and zeros elsewhere, so
+the sum hands every rank every word bit for bit: an all_gather at the price of the cheapest all_reduce
+(in gloo an all_reduce of at most one element per rank is one exchange; an all_gather or a longer
+all_reduce costs about a third more). Its 4-byte payload is the low half of the word (one float32 0-d
+tensor, say). Wider rows go by one all_gather. A group's width follows the largest payload of its last
+HISTORY calls, which every rank of the group saw agree, so every rank picks the same width and the
+exchange always matches up; every call of every kind starts with it, so one rank calling all_reduce
+while another calls all_gather meets here and raises instead of hanging or mixing data.
 
-A word is a 32-bit call tag over 32 bits of payload. The tag is a hash of the collective, its op, root and
-flags, the 128-bit digest of the collection's structure and its fixed payload size: 0 is never sent by a
-fabriclite collective, 1 says "this rank failed locally". The payload is the data itself when it is at
-most 4 bytes (one float32 0-d tensor, say), else a size (in 16-byte units) or 0. Equal tags on every rank:
-the call goes on. Anything else (a local error, a different call, a different structure) sends every rank
-into one detailed exchange of full call descriptions (an object all_gather, only on this path), after
-which every rank raises the same ``CollectiveMismatchError``, and the group stays usable. Two different
-calls share a tag with probability 2**-32.
+The tag is a hash of the collective, its op, root and flags, the 128-bit digest of the collection's
+structure and its fixed payload size: 0 is never sent by a fabriclite collective, 1 says "this rank
+failed locally". The size is the rank's row length in UNIT-byte units. Equal tags on every rank: the call
+goes on. Anything else (a local error, a different call, a different structure) sends every rank into one
+detailed exchange of full call descriptions (an object all_gather, only on this path), after which every
+rank raises the same ``CollectiveMismatchError``, and the group stays usable. Two different calls share a
+tag with probability 2**-32.
 """
 from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Callable, Dict, List, NamedTuple, NoReturn, Optional, Tuple
+from collections import deque
+from typing import Callable, Deque, Dict, List, NamedTuple, NoReturn, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -30,7 +34,7 @@ from fabriclite.collectives.state import Context
 
 MAGIC = 0x464C4332  # "FLC2": fabriclite collectives, protocol 2
 TAG_NONE, TAG_ERROR = 0, 1
-#: inline payload bytes per rank (the low half of its word)
+#: inline payload bytes per rank at width 1 (the low half of its word)
 CAPACITY = 4
 #: sizes travel in units of UNIT bytes, so 32 bits cover 64 GiB
 UNIT = 16
@@ -69,43 +73,101 @@ def units(nbytes: int) -> int:
     return n
 
 
-class Words:
-    """The header buffer of one group on this rank, reused across calls: ``tensor`` (``size`` int64 words),
-    this rank's inline ``payload`` (CAPACITY bytes, uint8; ``payload_np``: the same memory as a numpy array
-    on CPU, else None) and, after an exchange, ``rows()``: every rank's payload. Nothing handed to a caller is a view of it."""
+#: a group's header row widths: 1 word (the all_reduce form) up to MAX_WIDTH words per rank
+MAX_WIDTH = 1024
+#: the width follows the largest payload of the group's last HISTORY calls
+HISTORY = 8
 
-    def __init__(self, size: int, index: int, device: torch.device) -> None:
-        self.index = index
-        self.tensor = torch.zeros(size, dtype=torch.int64, device=device)
-        raw = self.tensor.view(torch.uint8)
-        self.payload = raw[8 * index:8 * index + CAPACITY]
-        self._rows = raw.view(size, 8)[:, :CAPACITY]
-        self.result = self.tensor
-        self.numpy = self.tensor.numpy() if self.tensor.device.type == "cpu" else None
-        self.halves = self.numpy.view("uint32") if self.numpy is not None else None
-        self.payload_np = self.numpy.view("uint8")[8 * index:8 * index + CAPACITY] if self.numpy is not None else None
+
+def max_width(size: int) -> int:
+    """The widest header row for a group of ``size``: 8 KiB for small groups, shrinking so the exchanged
+    headers stay near 32 KiB; a power of two, at least 2."""
+    width = 2
+    while width * 2 <= min(MAX_WIDTH, 4096 // max(size, 1)):
+        width *= 2
+    return width
+
+
+class Words:
+    """One header buffer of a group on this rank, reused across calls: ``width`` int64 words per rank,
+    this rank's inline ``payload`` region (``capacity`` bytes, uint8; ``payload_np``: the same memory as a
+    numpy array on CPU, else None) and, after an exchange, ``rows()``: every rank's payload. Width 1 is
+    exchanged by an int64 SUM all_reduce (this rank's word at its index, zeros elsewhere), wider rows by an
+    all_gather. Nothing handed to a caller is a view of it."""
+
+    def __init__(self, owner: "Header", width: int) -> None:
+        size, index, device = owner.size, owner.index, owner.device
+        self.owner, self.width, self.size = owner, width, size
+        self.capacity = CAPACITY if width == 1 else 8 * (width - 1)
+        self.gathered = torch.zeros((size, width), dtype=torch.int64, device=device)
+        self.mine = self.gathered[index] if width == 1 else torch.zeros(width, dtype=torch.int64, device=device)
+        self.payload = self.mine.view(torch.uint8)[:self.capacity]
+        self._rows = self.gathered.view(torch.uint8)[:, :self.capacity]
+        self.result = self.gathered
+        self.sized = False
+        cpu = self.gathered.device.type == "cpu"
+        self.numpy = self.gathered.numpy() if cpu else None
+        mine_np = self.mine.numpy() if cpu else None
+        self.halves = mine_np.view("uint32") if mine_np is not None else None
+        self.payload_np = mine_np.view("uint8")[:self.capacity] if mine_np is not None else None
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a row of ``nbytes`` rides inline (the same answer on every rank for the same length)."""
+        if self.width == 1:
+            return nbytes <= CAPACITY
+        return units(nbytes) * UNIT <= self.capacity
 
     def rows(self) -> Tensor:
-        """Every rank's inline payload after ``exchange``: ``(size, CAPACITY)`` uint8."""
-        if self.result is self.tensor:
+        """Every rank's inline payload after ``exchange``: ``(size, capacity)`` uint8."""
+        if self.result is self.gathered:
             return self._rows
-        return self.result.view(torch.uint8).view(-1, 8)[:, :CAPACITY]
+        return self.result.reshape(self.size, self.width).view(torch.uint8)[:, :self.capacity]
 
     def clear(self) -> "Words":
-        if self.numpy is not None:
-            self.numpy[:] = 0
-        else:
-            self.tensor.zero_()
+        """Zero the words (the all_reduce form needs every other rank's word zero)."""
+        if self.width == 1:
+            if self.numpy is not None:
+                self.numpy[:] = 0
+            else:
+                self.gathered.zero_()
         return self
 
 
+class Header:
+    """The header of one group on this rank: its buffers by width and the recent payload sizes that set
+    the next call's width. Every rank of the group sees the same calls agree, so every rank computes the
+    same width for the next call: the exchange always matches up."""
+
+    def __init__(self, size: int, index: int, device: torch.device) -> None:
+        self.size, self.index, self.device = size, index, device
+        self.limit = max_width(size)
+        self.needs: Deque[int] = deque([1], maxlen=HISTORY)
+        self.width = 1
+        self.buffers: Dict[int, Words] = {}
+
+    def words(self) -> Words:
+        words = self.buffers.get(self.width)
+        if words is None:
+            words = self.buffers[self.width] = Words(self, self.width)
+        return words
+
+    def record(self, need: int) -> None:
+        """An agreed call whose rows needed ``need`` words to ride inline."""
+        self.needs.append(need if need <= self.limit else 1)
+        width, most = 1, max(self.needs)
+        while width < most:
+            width *= 2
+        self.width = width
+
+
 def begin(ctx: Context) -> Words:
-    """This group's header buffer, cleared: write this rank's inline payload into it, then ``exchange``."""
-    key = (ctx.size, ctx.index, ctx.device)
-    words = ctx.state.headers.get(key)
-    if words is None:
-        words = ctx.state.headers[key] = Words(ctx.size, ctx.index, ctx.device)
-    return words.clear()
+    """This group's header buffer for the next call, cleared: write this rank's inline payload into it
+    (when ``fits``), then ``exchange``."""
+    key = (ctx.group, ctx.device)
+    state = ctx.state.headers.get(key)
+    if state is None:
+        state = ctx.state.headers[key] = Header(ctx.size, ctx.index, ctx.device)
+    return state.words().clear()
 
 
 def call_tag(call: Call) -> int:
@@ -125,40 +187,53 @@ def tag(ctx: Context, call: Call) -> int:
 
 
 def exchange(ctx: Context, words: Words, tag_value: int, low: Optional[int] = None) -> List[int]:
-    """Send this rank's word (``tag_value`` over ``low``, or over the payload already written) and return
-    every rank's halves, flat: ``[low_0, tag_0, low_1, tag_1, ...]``; ``words.rows()`` then holds every
-    rank's payload."""
-    i = 2 * words.index
+    """Send this rank's header (``tag_value`` over ``low``: a size in UNIT-byte units; or, at width 1
+    with ``low`` None, over the 4-byte payload already written) and return every rank's halves, flat:
+    ``[low_0, tag_0, low_1, tag_1, ...]``; ``words.rows()`` then holds every rank's payload."""
+    words.sized = low is not None
+    j = 2 * (words.width - 1)
     halves = words.halves
     if halves is not None:
-        halves[i + 1] = tag_value
+        halves[j + 1] = tag_value
         if low is not None:
-            halves[i] = low
+            halves[j] = low
     else:
-        pair = words.tensor.view(torch.int32)
-        pair[i + 1:i + 2].fill_(_signed(tag_value))
+        pair = words.mine.view(torch.int32)
+        pair[j + 1:j + 2].fill_(_signed(tag_value))
         if low is not None:
-            pair[i:i + 1].fill_(_signed(low))
-    words.result = result = ctx.strategy.all_reduce(words.tensor, "sum", ctx.group)
-    if halves is not None and result is words.tensor:
-        return halves.tolist()
-    return result.cpu().numpy().view("uint32").tolist()
+            pair[j:j + 1].fill_(_signed(low))
+    if words.width == 1:
+        result = ctx.strategy.all_reduce(words.gathered, "sum", ctx.group)
+    else:
+        result = ctx.strategy.all_gather_into(words.gathered, words.mine, ctx.group)
+    words.result = result
+    if words.numpy is not None and result is words.gathered:
+        last = words.numpy[:, -1].tolist()
+    else:
+        last = result.reshape(words.size, words.width)[:, -1].cpu().tolist()
+    out: List[int] = []
+    for value in last:
+        value &= 0xFFFFFFFFFFFFFFFF
+        out += (value & 0xFFFFFFFF, value >> 32)
+    return out
 
 
 def _signed(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def agree(ctx: Context, halves: List[int], call: Call, describe: Optional[Callable[[], List[str]]] = None,
-          hint: str = "") -> List[int]:
-    """Every rank's low half when every rank sent this ``call``'s tag. Otherwise raises the same
-    CollectiveMismatchError on every rank, after one detailed exchange: a rank's local error, different
-    collectives, ops, roots or flags, different structures (``describe``: this rank's structure lines) or
-    payload sizes."""
+def agree(ctx: Context, words: Words, halves: List[int], call: Call,
+          describe: Optional[Callable[[], List[str]]] = None, hint: str = "") -> List[int]:
+    """Every rank's low half when every rank sent this ``call``'s tag (the group's next header width then
+    follows from the sizes they carry). Otherwise raises the same CollectiveMismatchError on every rank,
+    after one detailed exchange: a rank's local error, different collectives, ops, roots or flags,
+    different structures (``describe``: this rank's structure lines) or payload sizes."""
     tags = halves[1::2]
     first = tags[0]
     if first > TAG_ERROR and tags.count(first) == len(tags):
-        return halves[0::2]
+        lows = halves[0::2]
+        words.owner.record(1 + 2 * max(lows) if words.sized else 1)
+        return lows
     _disagree(ctx, tags, call, None, describe, hint)
 
 

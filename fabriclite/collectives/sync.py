@@ -22,7 +22,8 @@ def barrier(ctx: Context, name: Optional[str], check: bool) -> None:
         ctx.strategy.barrier(name, ctx.group)
         return
     call = header.Call(header.BARRIER)
-    header.agree(ctx, header.exchange(ctx, header.begin(ctx), header.tag(ctx, call), 0), call)
+    words = header.begin(ctx)
+    header.agree(ctx, words, header.exchange(ctx, words, header.tag(ctx, call), 0), call)
 
 
 class RankZeroFailed(RuntimeError):

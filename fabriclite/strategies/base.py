@@ -228,6 +228,15 @@ class Strategy(ABC):
     def all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
         return tensor
 
+    def all_reduce_copy(self, out: Tensor, tensor: Tensor, op: str = "sum", group: Any = None,
+                        divisor: Optional[int] = None) -> Tensor:
+        """``out`` (flat, contiguous, ``tensor``'s numel and dtype) set to the reduction over the group of
+        ``tensor`` (divided by ``divisor`` first when given); ``tensor`` is left unchanged. Returns the
+        result, ``out`` itself unless the strategy's all_reduce returns a new tensor. Strategies that can
+        overlap the copy with the reduction override this."""
+        copy_into(out, tensor, divisor)
+        return self.all_reduce(out, op, group)
+
     def all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
         return tensor.unsqueeze(0)
 
@@ -262,3 +271,13 @@ class Strategy(ABC):
 
 def _params(optimizer: Optimizer) -> Iterator[Tensor]:
     return (p for group in optimizer.param_groups for p in group["params"])
+
+
+def copy_into(out: Tensor, tensor: Tensor, divisor: Optional[int] = None) -> None:
+    """``out[:] = tensor.reshape(-1)``, divided by ``divisor`` when given (one pass on one device)."""
+    if divisor is not None and tensor.device == out.device:
+        torch.div(tensor.reshape(-1), divisor, out=out)
+        return
+    out.copy_(tensor.reshape(-1))
+    if divisor is not None:
+        out.div_(divisor)

@@ -5,7 +5,7 @@ import os
 import sys
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, ContextManager, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, List, Literal, NoReturn, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fabriclite import rendezvous
 from fabriclite.network import gloo_interface
-from fabriclite.strategies.base import Strategy
+from fabriclite.strategies.base import Strategy, copy_into
 from fabriclite.launchers.output import prefixed_by_supervisor
 from fabriclite.strategies.progress import CollectiveWatch
 
@@ -30,6 +30,10 @@ _OPS = {
 #: all_gather into one flat output (``all_gather_into_tensor`` is deprecated from torch 2.13)
 _ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+#: an out-of-place all_reduce of at least this many bytes runs in OVERLAP_CHUNKS chunks, each copied while
+#: the previous ones are reduced (the copy that keeps the caller's tensor unchanged then costs little)
+OVERLAP_BYTES = 4 << 20
+OVERLAP_CHUNKS = 4
 
 
 class DDPStrategy(Strategy):
@@ -178,10 +182,24 @@ class DDPStrategy(Strategy):
         try:
             return fn(*args, group=group, **kwargs)
         except RuntimeError as err:
-            error = watch.failed(name, key, number, err)
-            if error is None:
-                raise
-            raise error from None  # the backend's error is error.original
+            _failed(watch, name, key, number, err)
+
+    def _call_async(self, name: str, fn: Any, *args: Any, group: Any = None, **kwargs: Any) -> Callable[[], None]:
+        """Start collective ``fn`` (``async_op=True``); returns a function that waits for it, raising as
+        ``_call`` does."""
+        watch = self._watch
+        key, number = watch.enter(name, group, dist.get_process_group_ranks) if watch is not None else ((), 0)
+        try:
+            work = fn(*args, group=group, async_op=True, **kwargs)
+        except RuntimeError as err:
+            _failed(watch, name, key, number, err)
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except RuntimeError as err:
+                _failed(watch, name, key, number, err)
+        return wait
 
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
@@ -246,6 +264,20 @@ class DDPStrategy(Strategy):
         self._call("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group)
         return tensor
 
+    def all_reduce_copy(self, out: Tensor, tensor: Tensor, op: str = "sum", group: Any = None,
+                        divisor: Optional[int] = None) -> Tensor:
+        """Chunked when large: chunk k is copied while chunks before it are reduced (gloo and NCCL run
+        them in order on their own threads / stream), so the copy mostly hides behind the reduction."""
+        if out.numel() * out.element_size() < OVERLAP_BYTES:
+            return super().all_reduce_copy(out, tensor, op, group, divisor)
+        waits = []
+        for part, source in zip(out.chunk(OVERLAP_CHUNKS), tensor.reshape(-1).chunk(OVERLAP_CHUNKS)):
+            copy_into(part, source, divisor)
+            waits.append(self._call_async("all_reduce", dist.all_reduce, part, op=_OPS[op], group=group))
+        for wait in waits:
+            wait()
+        return out
+
     def all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
         return self.all_gather_into(tensor.new_empty((dist.get_world_size(group), *tensor.shape)), tensor, group)
 
@@ -281,3 +313,12 @@ class DDPStrategy(Strategy):
 
 def _torchelastic_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def _failed(watch: Optional[CollectiveWatch], name: str, key: Tuple[int, ...], number: int,
+            err: RuntimeError) -> NoReturn:
+    """Raise the clear error for a timed-out or broken collective, else ``err`` itself."""
+    error = watch.failed(name, key, number, err) if watch is not None else None
+    if error is None:
+        raise err
+    raise error from None  # the backend's error is error.original
