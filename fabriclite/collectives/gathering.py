@@ -1,9 +1,9 @@
 """all_gather and gather over nested collections.
 
 Each rank lays its collection out as one byte row: the varying dims (int64 words), the fixed buckets (same
-place on every rank), the tensors whose shapes vary, the pickled non-tensor leaves. A row of at most 4
-bytes rides inline in the header exchange (one collective in all); longer ones follow in one primitive
-all_gather of rows padded to the longest (each rank's length travels in its header word).
+place on every rank), the tensors whose shapes vary, the pickled non-tensor leaves. Rows that fit the
+group's header ride inline in the header exchange (one collective in all); longer ones follow in one
+primitive all_gather of rows padded to the longest (each rank's length travels in its header).
 """
 from __future__ import annotations
 
