@@ -15,6 +15,11 @@ def first_set(names: Sequence[str]) -> Optional[str]:
     return None
 
 
+def read_optional_str(name: str) -> Optional[str]:
+    """The value of ``name``, stripped, or None when unset or empty."""
+    return os.environ.get(name, "").strip() or None
+
+
 def all_set(names: Sequence[str]) -> bool:
     """True when every one of ``names`` is set in ``os.environ`` to a non-empty value."""
     return all(os.environ.get(name, "").strip() for name in names)

@@ -2,7 +2,7 @@
 
 import os
 
-from fabriclite.environments._vars import read_int, read_port
+from fabriclite.environments._vars import read_int, read_optional_str, read_port
 from fabriclite.environments.base import ClusterEnvironment
 
 
@@ -31,7 +31,7 @@ class LocalEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        return os.environ.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+        return read_optional_str("MASTER_ADDR") or "127.0.0.1"
 
     @property
     def main_port(self) -> int:

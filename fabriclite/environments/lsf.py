@@ -4,7 +4,7 @@ import os
 import socket
 from typing import List, Optional
 
-from fabriclite.environments._vars import all_set, parse_int, read_int, read_port, read_str
+from fabriclite.environments._vars import all_set, parse_int, read_int, read_optional_str, read_port, read_str
 from fabriclite.environments.base import ClusterEnvironment
 
 _REQUIRED = ("LSB_JOBID", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_LOCAL_RANK")
@@ -52,8 +52,9 @@ class LSFEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        if os.environ.get("MASTER_ADDR", "").strip():
-            return os.environ["MASTER_ADDR"].strip()
+        override = read_optional_str("MASTER_ADDR")
+        if override is not None:
+            return override
         return self.hosts()[0]
 
     @property

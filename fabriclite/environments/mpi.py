@@ -4,7 +4,7 @@ import os
 import zlib
 from typing import NamedTuple, Optional, Tuple
 
-from fabriclite.environments._vars import first_set, read_int, read_port
+from fabriclite.environments._vars import first_set, read_int, read_optional_str, read_port
 from fabriclite.environments.base import ClusterEnvironment
 
 
@@ -79,8 +79,9 @@ class MPIEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        if os.environ.get("MASTER_ADDR", "").strip():
-            return os.environ["MASTER_ADDR"].strip()
+        override = read_optional_str("MASTER_ADDR")
+        if override is not None:
+            return override
         world = self.world_size()
         per_node = self.local_world_size()
         if per_node == world:

@@ -4,7 +4,8 @@ import os
 import re
 from typing import List, Optional
 
-from fabriclite.environments._vars import first_set, parse_int, read_int, read_optional_int, read_port
+from fabriclite.environments._vars import (first_set, parse_int, read_int, read_optional_int, read_optional_str,
+                                           read_port)
 from fabriclite.environments.base import ClusterEnvironment
 from fabriclite.environments.hostlist import first_host
 
@@ -74,8 +75,9 @@ class SLURMEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        if os.environ.get("MASTER_ADDR", "").strip():
-            return os.environ["MASTER_ADDR"].strip()
+        override = read_optional_str("MASTER_ADDR")
+        if override is not None:
+            return override
         var = first_set(_NODELIST_VARS)
         if var is None:
             raise ValueError(

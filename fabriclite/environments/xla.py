@@ -4,7 +4,7 @@ import os
 from types import ModuleType
 from typing import Optional
 
-from fabriclite.environments._vars import read_port
+from fabriclite.environments._vars import read_optional_str, read_port
 from fabriclite.environments.base import ClusterEnvironment
 
 #: torch_xla's own default rendezvous port (``xla://`` init method) when MASTER_PORT is unset.
@@ -47,8 +47,9 @@ class XLAEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        if os.environ.get("MASTER_ADDR", "").strip():
-            return os.environ["MASTER_ADDR"].strip()
+        override = read_optional_str("MASTER_ADDR")
+        if override is not None:
+            return override
         if os.environ.get("PJRT_DEVICE", "").strip().upper() == "TPU":
             _runtime()
             from torch_xla._internal import tpu
