@@ -2,11 +2,12 @@
 reduction of gathered rows on this rank."""
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from fabriclite.strategies.base import reduce_rows_bitwise
 
 #: accepted spellings (case-insensitive) -> canonical name
 _ALIASES: Dict[str, str] = {
@@ -89,8 +90,7 @@ def reduce_rows(rows: Tensor, op: str) -> Tensor:
         return rows.amax(0)
     if op == "prod":
         return rows.prod(0, dtype=dtype)
-    fn = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op]
-    return functools.reduce(fn, rows.unbind(0))
+    return reduce_rows_bitwise(rows, op)
 
 
 def finish(reduced: Tensor, op: str, result: torch.dtype, size: int, divided: bool = False) -> Tensor:

@@ -26,9 +26,11 @@ Training hooks (defaults here suit any strategy whose ranks hold full replicas; 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import functools
 import warnings
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Collection, ContextManager, Dict, FrozenSet, Iterator, List,
+                    Optional, Tuple)
 
 import torch
 from torch import Tensor, nn
@@ -281,3 +283,23 @@ def copy_into(out: Tensor, tensor: Tensor, divisor: Optional[int] = None) -> Non
     out.copy_(tensor.reshape(-1))
     if divisor is not None:
         out.div_(divisor)
+
+
+#: the bitwise reductions; backends without them emulate them with an all-gather and ``reduce_rows_bitwise``
+BITWISE_OPS: Dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+
+
+def reduce_rows_bitwise(rows: Tensor, op: str) -> Tensor:
+    """``rows`` ``(group_size, ...)`` reduced over dim 0 by the bitwise ``op`` (band, bor or bxor)."""
+    return functools.reduce(BITWISE_OPS[op], rows.unbind(0))
+
+
+def check_native_reduce(backend: str, op: str, native: Collection[str], tensor: Tensor) -> None:
+    """ValueError unless the ``backend`` runs ``op`` itself (one of ``native``; the bitwise ops are emulated
+    before this check), and for a complex ``tensor`` under anything but sum."""
+    if op not in native:
+        raise ValueError(f"reduce op {op!r} is not supported by the {backend} strategy; expected one of "
+                         f"{sorted([*native, *BITWISE_OPS])}.")
+    if tensor.is_complex() and op != "sum":
+        raise ValueError(f"reduce op {op!r} is not defined for complex tensors; only 'sum' is.")

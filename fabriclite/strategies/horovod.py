@@ -8,14 +8,13 @@ import contextlib
 import os
 import pickle
 import types
-from functools import reduce
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from fabriclite.strategies.base import Strategy
+from fabriclite.strategies.base import BITWISE_OPS, Strategy, check_native_reduce, reduce_rows_bitwise
 
 INSTALL_RECIPE = (
     "`make env-horovod` (builds horovod 0.28.1 into a cached venv), or by hand: download the sdist with "
@@ -25,8 +24,6 @@ INSTALL_RECIPE = (
 )
 #: Horovod's own reductions; band/bor/bxor are emulated with an all-gather and a local reduction.
 _HVD_OPS = {"sum": "Sum", "min": "Min", "max": "Max", "prod": "Product"}
-_BITWISE: Dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
 #: dtypes Horovod's reductions reject, and the dtype they are reduced in (exact: modular for the integers)
 _REDUCE_AS = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32,
               torch.int16: torch.int32, torch.bfloat16: torch.float32}
@@ -244,14 +241,10 @@ class HorovodStrategy(Strategy):
         """Every member gets the reduction. sum/min/max/prod run in Horovod (bool, 8/16-bit ints and bfloat16 in
         a wider dtype, complex sums as real pairs); band/bor/bxor are an all-gather and a local reduction."""
         hvd, pset = self._hvd(), self._set(group)
-        if op in _BITWISE:
-            return reduce(_BITWISE[op], self.all_gather(tensor, group).unbind(0)).to(tensor.dtype)
-        if op not in _HVD_OPS:
-            raise ValueError(f"reduce op {op!r} is not supported by the horovod strategy; expected one of "
-                             f"{sorted([*_HVD_OPS, *_BITWISE])}.")
+        if op in BITWISE_OPS:
+            return reduce_rows_bitwise(self.all_gather(tensor, group), op).to(tensor.dtype)
+        check_native_reduce("horovod", op, _HVD_OPS, tensor)
         if tensor.is_complex():
-            if op != "sum":
-                raise ValueError(f"reduce op {op!r} is not defined for complex tensors; only 'sum' is.")
             out = hvd.allreduce(torch.view_as_real(tensor), op=hvd.Sum, name="fabriclite.all_reduce", process_set=pset)
             return torch.view_as_complex(out.contiguous())
         wire = tensor.to(_REDUCE_AS.get(tensor.dtype, tensor.dtype))

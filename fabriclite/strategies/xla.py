@@ -10,7 +10,6 @@ from __future__ import annotations
 import pickle
 import threading
 from contextlib import nullcontext
-from functools import reduce
 from typing import Any, ContextManager, Dict, List, Optional, Union
 
 import torch
@@ -18,14 +17,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from fabriclite.accelerators.xla import import_xla
-from fabriclite.strategies.base import Strategy
+from fabriclite.strategies.base import BITWISE_OPS, Strategy, check_native_reduce, reduce_rows_bitwise
 from fabriclite.strategies.single_device import SingleDeviceStrategy
 
 _SYNC_LOCK = threading.Lock()
 #: fabriclite op -> xm reduce type; the bitwise ops are an all-gather and a local reduction (XLA has no xor, and
 #: its CPU backend rejects and/or reductions)
 _XM_OPS = {"sum": "sum", "prod": "mul", "min": "min", "max": "max"}
-_BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
 #: dtypes XLA's CPU all-reduce rejects, and the dtype they are reduced in (exact: modular for the integers)
 _REDUCE_AS = {torch.bool: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32,
               torch.bfloat16: torch.float32, torch.float16: torch.float32}
@@ -226,14 +224,10 @@ class XLAStrategy(_XLAMixin, Strategy):
         ints and 16-bit floats in a wider dtype, complex sums as real pairs); band, bor, bxor emulated with an
         all-gather and a local reduction."""
         self.resolve_group(group)
-        if op in _BITWISE:
-            return reduce(_BITWISE[op], self.all_gather(tensor).unbind(0))
-        if op not in _XM_OPS:
-            raise ValueError(f"reduce op {op!r} is not supported by the xla strategy; expected one of "
-                             f"{sorted([*_XM_OPS, *_BITWISE])}.")
+        if op in BITWISE_OPS:
+            return reduce_rows_bitwise(self.all_gather(tensor), op)
+        check_native_reduce("xla", op, _XM_OPS, tensor)
         if tensor.is_complex():
-            if op != "sum":
-                raise ValueError(f"reduce op {op!r} is not defined for complex tensors; only 'sum' is.")
             out = torch.view_as_complex(self._reduce(torch.view_as_real(tensor), op).contiguous())
         else:
             out = self._reduce(tensor.to(_REDUCE_AS.get(tensor.dtype, tensor.dtype)), op)
