@@ -2,13 +2,17 @@
 
 One call per node. The script's ``Fabric(...)`` joins the job; the flags fill what the code leaves
 unset, and a conflicting value in the code is a ValueError.
+
+The CLI's error rule (every subcommand, every flag): bad input is found before anything starts and ends the
+program with one last line ``fabriclite <command>: error: <message>`` and exit code 2 (argparse's usage line
+may come before it); never a traceback.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from fabriclite.accelerators import ACCELERATORS
 from fabriclite.launchers.output import OutputOptions
@@ -39,19 +43,45 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class UsageError(ValueError):
+    """Bad command-line input, found before anything starts."""
+
+
+def fail(command: str, message: str) -> NoReturn:
+    """The CLI's error rule: one line ``fabriclite <command>: error: <message>`` on stderr, exit code 2."""
+    sys.stderr.write(f"fabriclite {command}: error: {' '.join(str(message).split())}\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``fabriclite``: the job's exit code. Called without ``argv`` (the program
-    itself), it exits the process with that code instead of returning."""
+    itself), it exits the process with that code instead of returning. Bad input: see the error rule above."""
     args = _parser().parse_args(argv)
+    try:
+        job = _prepare_run(args)
+    except (ValueError, TypeError) as err:  # UsageError and every check of the connector
+        fail(args.command, str(err))
+    code = run_supervised(*job)
+    if argv is None:  # the program itself: end now, without the interpreter's slow teardown of torch
+        exit_process(code)
+    return code
+
+
+def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
+    """Validate every flag of ``fabriclite run`` the way ``Fabric(...)`` would; the arguments of
+    ``run_supervised``. Starts nothing."""
     from fabriclite.connector import CLI_ENV, Connector
 
     num_nodes = args.num_nodes if args.num_nodes is not None else 1
-    node_rank = args.node_rank if args.node_rank is not None else int(os.environ.get("NODE_RANK", 0) or 0)
-    if not 0 <= node_rank < max(1, num_nodes):
-        raise SystemExit(f"fabriclite run: --node-rank {node_rank} is out of range for --num-nodes {num_nodes}; "
+    node_rank = args.node_rank if args.node_rank is not None else _env_int("NODE_RANK")
+    if num_nodes < 1:
+        raise UsageError(f"--num-nodes {num_nodes}: expected a positive int.")
+    if not 0 <= node_rank < num_nodes:
+        raise UsageError(f"--node-rank {node_rank} is out of range for --num-nodes {num_nodes}; "
                          f"expected 0..{num_nodes - 1}.")
     if not os.path.isfile(args.script):
-        raise SystemExit(f"fabriclite run: script {args.script!r} not found.")
+        raise UsageError(f"script {args.script!r} not found; pass the path of a Python script.")
     # validate every flag the way Fabric(...) would, before starting anything
     connector = Connector(accelerator=args.accelerator or "auto", strategy=args.strategy or "auto",
                           devices=args.devices or "auto", num_nodes=num_nodes, precision=args.precision)
@@ -63,16 +93,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.timeout is not None:
         extra_env["FABRICLITE_TIMEOUT"] = str(args.timeout)
     main_address = args.main_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    main_port = args.main_port if args.main_port is not None else int(os.environ.get("MASTER_PORT", 0) or 0)
+    main_port = args.main_port if args.main_port is not None else _env_int("MASTER_PORT")
     layout = Layout(num_nodes, node_rank, connector.num_processes)
     output = OutputOptions(prefix=args.rank_prefix, log_dir=args.log_dir)
     if not (output.prefix or output.log_dir):
         output = OutputOptions.from_env()
     command = [sys.executable, args.script, *args.script_args]
-    code = run_supervised(command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env)
-    if argv is None:  # the program itself: end now, without the interpreter's slow teardown of torch
-        exit_process(code)
-    return code
+    return command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name, "") or "0"
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"${name}={value!r}: expected an int.") from None
 
 
 if __name__ == "__main__":

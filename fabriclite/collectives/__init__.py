@@ -29,9 +29,8 @@ from fabriclite.collectives import header as _header
 from fabriclite.collectives import reduction as _reduce
 from fabriclite.collectives import sync as _sync
 from fabriclite.collectives.header import CollectiveMismatchError
-from fabriclite.collectives.state import Context
+from fabriclite.collectives.state import Context, Strategy
 from fabriclite.collectives.sync import RankZeroFailed
-from fabriclite.strategies.base import Strategy
 
 __all__ = ["CollectiveMismatchError", "RankZeroFailed", "all_gather", "all_reduce", "barrier", "broadcast",
            "gather", "rank_zero_first", "reduce"]

@@ -52,7 +52,7 @@ class _Plan:
         for ks in by_dtype.values():
             flat = torch.cat([rows[k] for k in ks], dim=1).contiguous()
             if self.ctx.size > 1:
-                flat = self.ctx.strategy.all_reduce(flat, "sum", self.ctx.group)
+                flat = self.ctx.strategy.flat_all_reduce(flat, "sum", self.ctx.group)
             mine = flat[self.ctx.index]
             start = 0
             for k in ks:

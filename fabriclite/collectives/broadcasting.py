@@ -102,10 +102,10 @@ def broadcast(ctx: Context, obj: Any, src: int, check: bool) -> Any:
                 return obj
             data = words.rows()[src_index, :length].clone()
         elif is_src:
-            ctx.strategy.broadcast(buffers.assemble(message, length, ctx.device), src, ctx.group)
+            ctx.strategy.flat_broadcast(buffers.assemble(message, length, ctx.device), src, ctx.group)
             return obj
         else:
-            data = ctx.strategy.broadcast(torch.empty(length, dtype=torch.uint8, device=ctx.device), src,
+            data = ctx.strategy.flat_broadcast(torch.empty(length, dtype=torch.uint8, device=ctx.device), src,
                                           ctx.group)
         skeleton_len = int(data[:8].view(torch.int64).item())
         start = _SKELETON_AT + skeleton_len
@@ -130,9 +130,9 @@ def _unchecked(ctx: Context, obj: Any, src: int, skeleton: bytes, parts: List[Tu
     skeleton, nbytes = ctx.strategy.broadcast_object((skeleton, nbytes), src, ctx.group)
     if is_src:
         if nbytes:
-            ctx.strategy.broadcast(buffers.assemble(parts, nbytes, ctx.device), src, ctx.group)
+            ctx.strategy.flat_broadcast(buffers.assemble(parts, nbytes, ctx.device), src, ctx.group)
         return obj
     data = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
     if nbytes:
-        data = ctx.strategy.broadcast(data, src, ctx.group)
+        data = ctx.strategy.flat_broadcast(data, src, ctx.group)
     return _Unpickler(io.BytesIO(skeleton), data).load()

@@ -174,10 +174,10 @@ def _gather_rows(ctx: Context, layout: Layout, row: Row, length: int) -> Gathere
         shape = bucket.shapes[0]
         pool = pool_of(bucket, f"gathered{size}", lambda b: (b.view(size, *shape),))
         slot = pool.acquire((size, bucket.numel), bucket.wire, ctx.device)
-        ctx.strategy.all_gather_into(slot.buffer.view(torch.uint8).view(size, length), mine, ctx.group)
+        ctx.strategy.flat_all_gather_into(slot.buffer.view(torch.uint8).view(size, length), mine, ctx.group)
         slot.commit()
         return Gathered(None, slot)
-    return Gathered(ctx.strategy.all_gather(mine, ctx.group))
+    return Gathered(ctx.strategy.flat_all_gather(mine, ctx.group))
 
 
 # ---------------------------------------------------------------------------------------------- decoding

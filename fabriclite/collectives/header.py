@@ -203,9 +203,9 @@ def exchange(ctx: Context, words: Words, tag_value: int, low: Optional[int] = No
         if low is not None:
             pair[j:j + 1].fill_(_signed(low))
     if words.width == 1:
-        result = ctx.strategy.all_reduce(words.gathered, "sum", ctx.group)
+        result = ctx.strategy.flat_all_reduce(words.gathered, "sum", ctx.group)
     else:
-        result = ctx.strategy.all_gather_into(words.gathered, words.mine, ctx.group)
+        result = ctx.strategy.flat_all_gather_into(words.gathered, words.mine, ctx.group)
     words.result = result
     if words.numpy is not None and result is words.gathered:
         last = words.numpy[:, -1].tolist()

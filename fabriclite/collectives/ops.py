@@ -1,13 +1,13 @@
 """Reduce operations: names, which dtypes they accept, the dtype each leaf travels and comes back in, and the
-reduction of gathered rows on this rank."""
+reduction of gathered rows on this rank; the bitwise emulation and op checks the strategies share."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+import functools
+from typing import Any, Callable, Collection, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from fabriclite.strategies.base import reduce_rows_bitwise
 
 #: accepted spellings (case-insensitive) -> canonical name
 _ALIASES: Dict[str, str] = {
@@ -112,3 +112,23 @@ def predivide(op: str, wire: torch.dtype, size: int) -> Optional[int]:
     if op == "mean" and size & (size - 1) == 0 and (wire.is_floating_point or wire.is_complex):
         return size
     return None
+
+
+#: the bitwise reductions; backends without them emulate them with an all-gather and ``reduce_rows_bitwise``
+BITWISE_OPS: Dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+
+
+def reduce_rows_bitwise(rows: Tensor, op: str) -> Tensor:
+    """``rows`` ``(group_size, ...)`` reduced over dim 0 by the bitwise ``op`` (band, bor or bxor)."""
+    return functools.reduce(BITWISE_OPS[op], rows.unbind(0))
+
+
+def check_native_reduce(backend: str, op: str, native: Collection[str], tensor: Tensor) -> None:
+    """ValueError unless the ``backend`` runs ``op`` itself (one of ``native``; the bitwise ops are emulated
+    before this check), and for a complex ``tensor`` under anything but sum."""
+    if op not in native:
+        raise ValueError(f"reduce op {op!r} is not supported by the {backend} strategy; expected one of "
+                         f"{sorted([*native, *BITWISE_OPS])}.")
+    if tensor.is_complex() and op != "sum":
+        raise ValueError(f"reduce op {op!r} is not defined for complex tensors; only 'sum' is.")

@@ -87,9 +87,9 @@ def _all_reduce(ctx: Context, wire: List[Reduced], op: str) -> List[Reduced]:
     primitive = ops.primitive_op(op)
     for buf, divided, slot, source in wire:
         if source is not None:
-            result = ctx.strategy.all_reduce_copy(buf, source, primitive, ctx.group, ctx.size if divided else None)
+            result = ctx.strategy.flat_all_reduce_copy(buf, source, primitive, ctx.group, ctx.size if divided else None)
         else:
-            result = ctx.strategy.all_reduce(buf, primitive, ctx.group)
+            result = ctx.strategy.flat_all_reduce(buf, primitive, ctx.group)
         out.append((result, divided, slot if result is buf else None, None))
     return out
 

@@ -2,15 +2,44 @@
 context of one call (the group, its size, this rank's place in it, the device buffers live on)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Tuple
 
 import torch
+from torch import Tensor
 
 from fabriclite.collectives.spec import SpecCache
-from fabriclite.strategies.base import Strategy
-from fabriclite.strategies.single_device import SingleDeviceStrategy
 
 _ATTR = "_fabriclite_collectives"
+
+
+class Strategy(Protocol):
+    """What the collectives need of a strategy: where this rank is, its groups, and the flat primitives
+    (``fabriclite.strategies.base.Strategy`` documents their contract). The collectives import no strategy."""
+
+    root_device: torch.device
+    world_size: int
+    global_rank: int
+    local_rank: int
+    node_rank: int
+    distributed_ready: bool
+    #: no process groups (one process, identities as primitives): Lightning's single-device contract applies
+    single_device: bool
+    supported_reduce_ops: FrozenSet[str]
+    store: Optional[Any]
+
+    def resolve_group(self, group: Any) -> Any: ...
+    def group_size(self, group: Any = None) -> int: ...
+    def group_rank(self, group: Any = None) -> int: ...
+    def group_ranks(self, group: Any = None) -> List[int]: ...
+    def flat_all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor: ...
+    def flat_all_reduce_copy(self, out: Tensor, tensor: Tensor, op: str = "sum", group: Any = None,
+                             divisor: Optional[int] = None) -> Tensor: ...
+    def flat_all_gather(self, tensor: Tensor, group: Any = None) -> Tensor: ...
+    def flat_all_gather_into(self, out: Tensor, tensor: Tensor, group: Any = None) -> Tensor: ...
+    def flat_broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor: ...
+    def all_gather_object(self, obj: Any, group: Any = None) -> List[Any]: ...
+    def broadcast_object(self, obj: Any, src: int = 0, group: Any = None) -> Any: ...
+    def barrier(self, name: Optional[str] = None, group: Any = None) -> None: ...
 
 
 class State:
@@ -54,9 +83,8 @@ class Context:
                 state.places[id(self.group)] = where
         self.size, self.index = where[1], where[2]
         self.device = strategy.root_device
-        #: a strategy without process groups (one process, identities as primitives): Lightning's
-        #: single-device contract applies (all_gather adds no dim)
-        self.single_device = isinstance(strategy, SingleDeviceStrategy)
+        #: Lightning's single-device contract (all_gather adds no dim)
+        self.single_device = strategy.single_device
 
     @property
     def ranks(self) -> List[int]:

@@ -6,9 +6,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from fabriclite.collectives import header
-from fabriclite.collectives.state import Context, state_of
+from fabriclite.collectives.state import Context, Strategy, state_of
 from fabriclite.rendezvous import raise_if_failed
-from fabriclite.strategies.base import Strategy
 
 _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.1
 _OK = "ok"

@@ -4,14 +4,17 @@ A strategy owns set-up (process group, module / optimizer wrapping, device moves
 collective *primitives* on flat tensors and Python objects. Everything a user calls on collections
 (``fabriclite.collectives``) is written once on top of these primitives.
 
-Primitive contract (every strategy):
+Primitive contract (every strategy). The primitives carry a ``flat_`` prefix where Lightning's strategy has
+a method of the same name with another signature (``all_reduce``, ``all_gather``, ``broadcast``: user code
+and LightningModule call those, see "Lightning's collective methods" below):
 
-- ``all_reduce(tensor, op, group)``: every rank gets the reduction; ``op`` is one of
+- ``flat_all_reduce(tensor, op, group)``: every rank gets the reduction; ``op`` is one of
   ``supported_reduce_ops`` ("sum", "min", "max", "prod", "band", "bor", "bxor"). May work in place on
   ``tensor`` (callers pass a buffer they own) and returns the result.
-- ``all_gather(tensor, group)``: equal shapes on every rank; returns ``(group_size, *shape)``.
-  ``all_gather_into(out, tensor, group)``: the same into a given contiguous ``out`` (default: a copy).
-- ``broadcast(tensor, src, group)``: ``src`` is a global rank; returns the tensor of ``src``
+  ``flat_all_reduce_copy(out, tensor, op, group, divisor)``: the same into another buffer, ``tensor`` unchanged.
+- ``flat_all_gather(tensor, group)``: equal shapes on every rank; returns ``(group_size, *shape)``.
+  ``flat_all_gather_into(out, tensor, group)``: the same into a given contiguous ``out`` (default: a copy).
+- ``flat_broadcast(tensor, src, group)``: ``src`` is a global rank; returns the tensor of ``src``
   (same shape and dtype on every rank).
 - ``all_gather_object(obj, group)`` -> list in group-rank order; ``broadcast_object(obj, src, group)``.
 - ``barrier(name, group)``.
@@ -26,7 +29,6 @@ Training hooks (defaults here suit any strategy whose ranks hold full replicas; 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-import functools
 import warnings
 from contextlib import nullcontext
 from typing import (TYPE_CHECKING, Any, Callable, Collection, ContextManager, Dict, FrozenSet, Iterator, List,
@@ -36,6 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from fabriclite import collectives
 from fabriclite.accelerators.base import Accelerator
 from fabriclite.precision import Precision
 
@@ -51,6 +54,8 @@ class Strategy(ABC):
 
     name: str = "base"
     supported_reduce_ops: FrozenSet[str] = ALL_REDUCE_OPS
+    #: no process groups: one process whose primitives are identities (Lightning's single-device contract)
+    single_device: bool = False
 
     def __init__(
         self,
@@ -210,6 +215,29 @@ class Strategy(ABC):
         if self.accelerator is not None:
             self.accelerator.teardown()
 
+    # ------------------------------------------------------------------ Lightning's collective methods
+    # What user code and a LightningModule call on ``fabric.strategy``, with Lightning's signatures. Each is
+    # one collection-aware collective (``fabriclite.collectives``) built on the flat primitives below.
+    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """``tensor`` (or a nested collection) reduced over ``group`` (default: all ranks); a new result, the
+        input unchanged. Same as ``fabric.all_reduce``."""
+        return collectives.all_reduce(self, tensor, group=group, reduce_op=reduce_op)
+
+    def all_gather(self, tensor: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every rank's ``tensor`` stacked on a new dim 0 (``(world_size, *shape)``; one process: as is).
+        ``sync_grads=True`` lets gradients flow back to each rank's input. Same as ``fabric.all_gather``."""
+        return collectives.all_gather(self, tensor, group=group, sync_grads=sync_grads)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Global rank ``src``'s ``obj`` (any picklable object; tensors travel as tensors) on every rank."""
+        return collectives.broadcast(self, obj, src)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """True on every rank when every rank's ``decision`` is true (``all=True``) or when any is (``all=False``).
+        One small all_reduce; the same answer on every rank."""
+        votes = int(collectives.all_reduce(self, int(bool(decision)), reduce_op="sum"))
+        return votes == self.world_size if all else votes > 0
+
     # ------------------------------------------------------------------ primitives
     def resolve_group(self, group: Any) -> Any:
         """A process-group handle for ``group`` (None: the world; a list of ranks: a cached group)."""
@@ -227,29 +255,29 @@ class Strategy(ABC):
         """Global ranks of ``group``'s members, in group-rank order."""
         return list(range(self.world_size))
 
-    def all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
+    def flat_all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
         return tensor
 
-    def all_reduce_copy(self, out: Tensor, tensor: Tensor, op: str = "sum", group: Any = None,
+    def flat_all_reduce_copy(self, out: Tensor, tensor: Tensor, op: str = "sum", group: Any = None,
                         divisor: Optional[int] = None) -> Tensor:
         """``out`` (flat, contiguous, ``tensor``'s numel and dtype) set to the reduction over the group of
         ``tensor`` (divided by ``divisor`` first when given); ``tensor`` is left unchanged. Returns the
         result, ``out`` itself unless the strategy's all_reduce returns a new tensor. Strategies that can
         overlap the copy with the reduction override this."""
         copy_into(out, tensor, divisor)
-        return self.all_reduce(out, op, group)
+        return self.flat_all_reduce(out, op, group)
 
-    def all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
+    def flat_all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
         return tensor.unsqueeze(0)
 
-    def all_gather_into(self, out: Tensor, tensor: Tensor, group: Any = None) -> Tensor:
+    def flat_all_gather_into(self, out: Tensor, tensor: Tensor, group: Any = None) -> Tensor:
         """``all_gather`` written into ``out`` (contiguous, ``(group_size, *shape)``, ``tensor``'s dtype);
         returns ``out``. Lets a caller reuse a large output buffer (no fresh pages per call); strategies
         that can gather into it directly override this."""
-        out.copy_(self.all_gather(tensor, group))
+        out.copy_(self.flat_all_gather(tensor, group))
         return out
 
-    def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
+    def flat_broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
         return tensor
 
     def all_gather_object(self, obj: Any, group: Any = None) -> List[Any]:
@@ -283,23 +311,3 @@ def copy_into(out: Tensor, tensor: Tensor, divisor: Optional[int] = None) -> Non
     out.copy_(tensor.reshape(-1))
     if divisor is not None:
         out.div_(divisor)
-
-
-#: the bitwise reductions; backends without them emulate them with an all-gather and ``reduce_rows_bitwise``
-BITWISE_OPS: Dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
-
-
-def reduce_rows_bitwise(rows: Tensor, op: str) -> Tensor:
-    """``rows`` ``(group_size, ...)`` reduced over dim 0 by the bitwise ``op`` (band, bor or bxor)."""
-    return functools.reduce(BITWISE_OPS[op], rows.unbind(0))
-
-
-def check_native_reduce(backend: str, op: str, native: Collection[str], tensor: Tensor) -> None:
-    """ValueError unless the ``backend`` runs ``op`` itself (one of ``native``; the bitwise ops are emulated
-    before this check), and for a complex ``tensor`` under anything but sum."""
-    if op not in native:
-        raise ValueError(f"reduce op {op!r} is not supported by the {backend} strategy; expected one of "
-                         f"{sorted([*native, *BITWISE_OPS])}.")
-    if tensor.is_complex() and op != "sum":
-        raise ValueError(f"reduce op {op!r} is not defined for complex tensors; only 'sum' is.")

@@ -260,16 +260,16 @@ class DDPStrategy(Strategy):
             return list(range(dist.get_world_size()))
         return dist.get_process_group_ranks(group)
 
-    def all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
+    def flat_all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
         self._call("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group)
         return tensor
 
-    def all_reduce_copy(self, out: Tensor, tensor: Tensor, op: str = "sum", group: Any = None,
+    def flat_all_reduce_copy(self, out: Tensor, tensor: Tensor, op: str = "sum", group: Any = None,
                         divisor: Optional[int] = None) -> Tensor:
         """Chunked when large: chunk k is copied while chunks before it are reduced (gloo and NCCL run
         them in order on their own threads / stream), so the copy mostly hides behind the reduction."""
         if out.numel() * out.element_size() < OVERLAP_BYTES:
-            return super().all_reduce_copy(out, tensor, op, group, divisor)
+            return super().flat_all_reduce_copy(out, tensor, op, group, divisor)
         waits = []
         for part, source in zip(out.chunk(OVERLAP_CHUNKS), tensor.reshape(-1).chunk(OVERLAP_CHUNKS)):
             copy_into(part, source, divisor)
@@ -278,16 +278,16 @@ class DDPStrategy(Strategy):
             wait()
         return out
 
-    def all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
-        return self.all_gather_into(tensor.new_empty((dist.get_world_size(group), *tensor.shape)), tensor, group)
+    def flat_all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
+        return self.flat_all_gather_into(tensor.new_empty((dist.get_world_size(group), *tensor.shape)), tensor, group)
 
-    def all_gather_into(self, out: Tensor, tensor: Tensor, group: Any = None) -> Tensor:
+    def flat_all_gather_into(self, out: Tensor, tensor: Tensor, group: Any = None) -> Tensor:
         # the concatenated (size * numel,) output form: the only one every backend accepts (gloo in
         # torch >= 2.13 rejects a stacked (size, *shape) output)
         self._call("all_gather", _ALL_GATHER_FLAT, out.view(-1), tensor.reshape(-1).contiguous(), group=group)
         return out
 
-    def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
+    def flat_broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
         self._call("broadcast", dist.broadcast, tensor, src, group=group)
         return tensor
 

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from fabriclite.strategies.base import BITWISE_OPS, Strategy, check_native_reduce, reduce_rows_bitwise
+from fabriclite.collectives.ops import BITWISE_OPS, check_native_reduce, reduce_rows_bitwise
+from fabriclite.strategies.base import Strategy
 
 INSTALL_RECIPE = (
     "`make env-horovod` (builds horovod 0.28.1 into a cached venv), or by hand: download the sdist with "
@@ -237,12 +238,12 @@ class HorovodStrategy(Strategy):
         ranks = self._set(group).ranks
         return list(ranks) if ranks is not None else list(range(self.world_size))
 
-    def all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
+    def flat_all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
         """Every member gets the reduction. sum/min/max/prod run in Horovod (bool, 8/16-bit ints and bfloat16 in
         a wider dtype, complex sums as real pairs); band/bor/bxor are an all-gather and a local reduction."""
         hvd, pset = self._hvd(), self._set(group)
         if op in BITWISE_OPS:
-            return reduce_rows_bitwise(self.all_gather(tensor, group), op).to(tensor.dtype)
+            return reduce_rows_bitwise(self.flat_all_gather(tensor, group), op).to(tensor.dtype)
         check_native_reduce("horovod", op, _HVD_OPS, tensor)
         if tensor.is_complex():
             out = hvd.allreduce(torch.view_as_real(tensor), op=hvd.Sum, name="fabriclite.all_reduce", process_set=pset)
@@ -251,13 +252,13 @@ class HorovodStrategy(Strategy):
         out = hvd.allreduce(wire, op=getattr(hvd, _HVD_OPS[op]), name="fabriclite.all_reduce", process_set=pset)
         return out.to(tensor.dtype) if tensor.dtype is not torch.bool else out != 0
 
-    def all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
+    def flat_all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
         """``(group_size, *shape)``; shapes must be equal on every member (Horovod checks all but dim 0)."""
         wire = _to_movable(tensor.unsqueeze(0))
         out = self._hvd().allgather(wire, name="fabriclite.all_gather", process_set=self._set(group))
         return _from_movable(out, tensor.dtype)
 
-    def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
+    def flat_broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
         """``src``'s tensor (``src`` a global rank) on every member."""
         out = self._hvd().broadcast(_to_movable(tensor), root_rank=src, name="fabriclite.broadcast",
                                     process_set=self._set(group))

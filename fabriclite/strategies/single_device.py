@@ -12,6 +12,7 @@ class SingleDeviceStrategy(Strategy):
     """Runs in the calling process on ``device`` (default: the accelerator's first device)."""
 
     name = "single_device"
+    single_device = True
 
     def __init__(self, device: Union[str, torch.device, int] = "cpu", **kwargs: Any) -> None:
         super().__init__(**kwargs)

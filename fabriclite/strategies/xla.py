@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from fabriclite.accelerators.xla import import_xla
-from fabriclite.strategies.base import BITWISE_OPS, Strategy, check_native_reduce, reduce_rows_bitwise
+from fabriclite.collectives.ops import BITWISE_OPS, check_native_reduce, reduce_rows_bitwise
+from fabriclite.strategies.base import Strategy
 from fabriclite.strategies.single_device import SingleDeviceStrategy
 
 _SYNC_LOCK = threading.Lock()
@@ -219,13 +220,13 @@ class XLAStrategy(_XLAMixin, Strategy):
         _launch([out])
         return out.cpu()  # waits for the other replicas: never under the lock
 
-    def all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
+    def flat_all_reduce(self, tensor: Tensor, op: str = "sum", group: Any = None) -> Tensor:
         """Every replica gets the reduction, on ``tensor``'s device: sum, prod, min, max in XLA (bool, 8/16-bit
         ints and 16-bit floats in a wider dtype, complex sums as real pairs); band, bor, bxor emulated with an
         all-gather and a local reduction."""
         self.resolve_group(group)
         if op in BITWISE_OPS:
-            return reduce_rows_bitwise(self.all_gather(tensor), op)
+            return reduce_rows_bitwise(self.flat_all_gather(tensor), op)
         check_native_reduce("xla", op, _XM_OPS, tensor)
         if tensor.is_complex():
             out = torch.view_as_complex(self._reduce(torch.view_as_real(tensor), op).contiguous())
@@ -234,7 +235,7 @@ class XLAStrategy(_XLAMixin, Strategy):
             out = out != 0 if tensor.dtype is torch.bool else out.to(tensor.dtype)
         return out.to(tensor.device)
 
-    def all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
+    def flat_all_gather(self, tensor: Tensor, group: Any = None) -> Tensor:
         """``(world_size, *shape)`` on ``tensor``'s device; shapes must be equal on every replica. With one device
         per process this is ``xm.all_gather``; where a process drives several devices (threads), XLA only keeps
         all-reduces in step, so each replica's bits go into its own row of a zero buffer that is summed (exact)."""
@@ -253,25 +254,25 @@ class XLAStrategy(_XLAMixin, Strategy):
         rows[self.global_rank] = bits
         return _unbits(self._reduce(rows, "sum"), tensor.dtype).to(tensor.device)
 
-    def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
+    def flat_broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
         """``src``'s tensor on every replica (gathered and selected: exact for every dtype and value)."""
-        return self.all_gather(tensor, group)[src]
+        return self.flat_all_gather(tensor, group)[src]
 
     def all_gather_object(self, obj: Any, group: Any = None) -> List[Any]:
         """Every replica's ``obj`` (pickled), in rank order."""
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        sizes = self.all_gather(torch.tensor([len(payload)], dtype=torch.int64), group)[:, 0].tolist()
-        blob = self.all_gather(_padded(payload, max(sizes)), group)
+        sizes = self.flat_all_gather(torch.tensor([len(payload)], dtype=torch.int64), group)[:, 0].tolist()
+        blob = self.flat_all_gather(_padded(payload, max(sizes)), group)
         return [pickle.loads(row[:n].numpy().tobytes()) for row, n in zip(blob, sizes)]
 
     def broadcast_object(self, obj: Any, src: int = 0, group: Any = None) -> Any:
         """``src``'s ``obj`` on every replica; the others' objects are not sent."""
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.global_rank == src else b""
-        size = int(self.all_gather(torch.tensor([len(payload)], dtype=torch.int64), group)[src, 0])
-        return pickle.loads(self.broadcast(_padded(payload, size), src, group).numpy().tobytes())
+        size = int(self.flat_all_gather(torch.tensor([len(payload)], dtype=torch.int64), group)[src, 0])
+        return pickle.loads(self.flat_broadcast(_padded(payload, size), src, group).numpy().tobytes())
 
     def barrier(self, name: Optional[str] = None, group: Any = None) -> None:
-        self.all_reduce(torch.zeros(1), "sum", group)
+        self.flat_all_reduce(torch.zeros(1), "sum", group)
 
 
 def _bits(tensor: Tensor) -> Tensor:

@@ -36,10 +36,10 @@ def process_set_groups(fabric: Fabric, out: str) -> None:
     got = {}
     if rank in (0, 2):
         group = strategy.resolve_group([0, 2])
-        got["sum"] = strategy.all_reduce(torch.tensor([rank + 1.0]), "sum", group)
-        got["bxor"] = strategy.all_reduce(torch.tensor([rank + 1]), "bxor", group)
-        got["gather"] = strategy.all_gather(torch.tensor([rank]), group)
-        got["bcast"] = strategy.broadcast(torch.tensor([rank, 5]), 2, group)
+        got["sum"] = strategy.flat_all_reduce(torch.tensor([rank + 1.0]), "sum", group)
+        got["bxor"] = strategy.flat_all_reduce(torch.tensor([rank + 1]), "bxor", group)
+        got["gather"] = strategy.flat_all_gather(torch.tensor([rank]), group)
+        got["bcast"] = strategy.flat_broadcast(torch.tensor([rank, 5]), 2, group)
         got["objects"] = strategy.all_gather_object({"r": rank}, group)
         got["bobj"] = strategy.broadcast_object("from two" if rank == 2 else None, 2, group)
         got["nested"] = fabric.all_reduce({"a": torch.tensor([rank + 1.0]), "b": [rank]}, group=[0, 2], reduce_op="sum")
