@@ -26,7 +26,9 @@ STRATEGIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "single_xla": ("fabriclite.strategies.xla:SingleDeviceXLAStrategy", {}),
 }
 
-_LAZY = {"HorovodStrategy": "horovod", "XLAStrategy": "xla", "SingleDeviceXLAStrategy": "single_xla"}
+#: SingleTPUStrategy: Lightning's legacy name of SingleDeviceXLAStrategy
+_LAZY = {"HorovodStrategy": "horovod", "XLAStrategy": "xla", "SingleDeviceXLAStrategy": "single_xla",
+         "SingleTPUStrategy": "single_xla"}
 
 
 def strategy_class(name: str) -> Type[Strategy]:

@@ -52,13 +52,15 @@ class DDPStrategy(Strategy):
         accelerator: Any = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Any = None,
+        checkpoint_io: None = None,
         precision: Any = None,
         process_group_backend: Optional[str] = None,
         timeout: Union[None, float, timedelta] = None,
         start_method: StartMethod = "popen",
         **ddp_kwargs: Any,
     ) -> None:
-        super().__init__(accelerator=accelerator, precision=precision, cluster_environment=cluster_environment)
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision,
+                         cluster_environment=cluster_environment)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r}; expected 'popen', 'spawn', 'fork' or 'forkserver'.")
         self.parallel_devices = parallel_devices

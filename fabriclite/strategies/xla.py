@@ -108,10 +108,12 @@ class SingleDeviceXLAStrategy(_XLAMixin, SingleDeviceStrategy):
 
     name = "single_xla"
 
-    def __init__(self, device: Union[int, str, torch.device] = 0, **kwargs: Any) -> None:
+    def __init__(self, device: Union[int, str, torch.device] = 0, accelerator: Any = None,
+                 checkpoint_io: None = None, precision: Any = None, **kwargs: Any) -> None:
         import_xla()
         index = device if isinstance(device, int) else (torch.device(device).index or 0)
-        super().__init__(device=torch.device("xla", index), **kwargs)
+        super().__init__(device=torch.device("xla", index), accelerator=accelerator, checkpoint_io=checkpoint_io,
+                         precision=precision, **kwargs)
 
     def process_dataloader(self, dataloader: Any) -> Any:
         return _device_loader(dataloader, self.root_device)
@@ -125,9 +127,11 @@ class XLAStrategy(_XLAMixin, Strategy):
 
     name = "xla"
 
-    def __init__(self, accelerator: Any = None, precision: Any = None, cluster_environment: Any = None,
-                 parallel_devices: Optional[List[torch.device]] = None, sync_module_states: bool = True) -> None:
-        super().__init__(accelerator=accelerator, precision=precision, cluster_environment=cluster_environment)
+    def __init__(self, accelerator: Any = None, parallel_devices: Optional[List[torch.device]] = None,
+                 checkpoint_io: None = None, precision: Any = None, sync_module_states: bool = True,
+                 cluster_environment: Any = None) -> None:
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision,
+                         cluster_environment=cluster_environment)
         import_xla()
         self.parallel_devices = parallel_devices
         self.sync_module_states = sync_module_states
@@ -202,6 +206,11 @@ class XLAStrategy(_XLAMixin, Strategy):
 
     def process_dataloader(self, dataloader: Any) -> Any:
         return _device_loader(dataloader, self.root_device)
+
+    def all_reduce(self, output: Any, group: Any = None, reduce_op: Any = None) -> Any:
+        """Lightning's XLA signature: ``reduce_op=None`` sums (Lightning's XLA default), "mean" averages;
+        otherwise the base strategy's ``all_reduce`` (a new result, the input unchanged)."""
+        return super().all_reduce(output, group=group, reduce_op="sum" if reduce_op is None else reduce_op)
 
     # ------------------------------------------------------------------ primitives
     def resolve_group(self, group: Any) -> Any:
