@@ -71,7 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
     """Validate every flag of ``fabriclite run`` the way ``Fabric(...)`` would; the arguments of
     ``run_supervised``. Starts nothing."""
-    from fabriclite.connector import CLI_ENV, Connector
+    from fabriclite.connector import CLI_ENV, CLI_USED_ENV, Connector
 
     num_nodes = args.num_nodes if args.num_nodes is not None else 1
     node_rank = args.node_rank if args.node_rank is not None else _env_int("NODE_RANK")
@@ -90,6 +90,7 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
         "num_nodes": str(num_nodes) if args.num_nodes is not None else None, "precision": args.precision,
     }
     extra_env = {CLI_ENV[k]: v for k, v in flags.items() if v is not None}
+    extra_env[CLI_USED_ENV] = "1"  # the ranks' Fabric(...) joins the job in __init__
     if args.timeout is not None:
         extra_env["FABRICLITE_TIMEOUT"] = str(args.timeout)
     main_address = args.main_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"

@@ -24,6 +24,17 @@ CLI_ENV = {
     "num_nodes": "FABRICLITE_CLI_NUM_NODES",
     "precision": "FABRICLITE_CLI_PRECISION",
 }
+#: set by `fabriclite run` in its ranks: the processes exist, so ``Fabric(...)`` joins the job in ``__init__``
+CLI_USED_ENV = "FABRICLITE_CLI_USED"
+#: Lightning's CLI contract (`fabric run`): LT_CLI_USED=1 and one LT_<NAME> variable per flag
+LT_CLI_USED_ENV = "LT_CLI_USED"
+#: Lightning Fabric's registered names that fabriclite does not have (the rows of docs/compat.md say why)
+LIGHTNING_ONLY_STRATEGIES = frozenset({
+    "deepspeed", "deepspeed_stage_1", "deepspeed_stage_1_offload", "deepspeed_stage_2", "deepspeed_stage_2_offload",
+    "deepspeed_stage_3", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", "dp", "fsdp",
+    "fsdp_cpu_offload", "single_tpu", "xla_fsdp",
+})
+LIGHTNING_ONLY_PRECISIONS = frozenset({"transformer-engine", "transformer-engine-float16"})
 HOROVOD_RECIPE = ("install it with `make env-horovod` (see docs/backends.md: horovod 0.28.1 built from source with "
                   "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1) and run under horovodrun")
 XLA_RECIPE = "install it with `pip install torch==2.9.1 torch-xla==2.9.0` (or `make env-xla`; see docs/backends.md)"
@@ -54,12 +65,18 @@ class Connector:
         if precision is not None and precision_instance is not None:
             raise ValueError(f"precision={precision!r} and a Precision plugin {precision_instance!r} were both "
                              "given; pass only one.")
+        if isinstance(precision, str) and precision.lower() in LIGHTNING_ONLY_PRECISIONS:
+            raise ValueError(f"precision={precision!r} is a Lightning Fabric precision that fabriclite does not support "
+                             "(see docs/compat.md); use '16-mixed', 'bf16-mixed' or a '-true' precision.")
         precision_name = normalize_precision(precision if precision is not None else "32-true")
         if isinstance(strategy, str):
             strategy = strategy.lower()
+            if strategy in LIGHTNING_ONLY_STRATEGIES and strategy not in STRATEGIES:
+                raise ValueError(f"strategy={strategy!r} is a Lightning Fabric strategy that fabriclite does not "
+                                 f"support (see docs/compat.md); use one of {sorted(STRATEGIES)}.")
             if strategy != "auto" and strategy not in STRATEGIES:
                 raise ValueError(f"strategy={strategy!r} is not supported; expected 'auto', one of "
-                                 f"{sorted(STRATEGIES)} or a Strategy instance.")
+                                 f"{sorted(STRATEGIES)} or a Strategy instance (see docs/compat.md).")
         elif not isinstance(strategy, Strategy):
             raise TypeError(f"strategy={strategy!r} ({type(strategy).__name__}) is not valid; expected a name "
                             f"such as 'ddp' or a Strategy instance.")
@@ -210,12 +227,24 @@ def _split_plugins(plugins: Any) -> tuple:
     return env, precision
 
 
+def cli_used() -> bool:
+    """Whether a CLI started this process and its peers (`fabriclite run`, or Lightning's `fabric run`, which
+    sets ``LT_CLI_USED=1``): ``Fabric(...)`` then joins the job in ``__init__``."""
+    if os.environ.get(CLI_USED_ENV) == "1":
+        return True
+    try:
+        return bool(int(os.environ.get(LT_CLI_USED_ENV, "0") or "0"))
+    except ValueError:
+        return False
+
+
 def _from_cli(name: str, value: Any, default: Any) -> Any:
     """A `fabriclite run` flag fills an argument the code left at its default; a different explicit
-    value is a conflict."""
+    value is a conflict. Lightning's ``LT_<NAME>`` variables follow Lightning's rule: the variable wins;
+    under ``LT_CLI_USED=1`` a code value that is not the default and differs from it is a conflict."""
     raw = os.environ.get(CLI_ENV[name])
     if raw is None:
-        return value
+        return _from_lightning_cli(name, value, default)
     cli: Any = raw
     if name == "num_nodes":
         cli = int(raw)
@@ -226,6 +255,23 @@ def _from_cli(name: str, value: Any, default: Any) -> Any:
         raise ValueError(f"Fabric({name}={value!r}) conflicts with `fabriclite run {flag} {raw}`; pass the value "
                          "in one place only.")
     return value
+
+
+def _from_lightning_cli(name: str, value: Any, default: Any) -> Any:
+    raw = os.environ.get("LT_" + name.upper())
+    if raw is None:
+        return value
+    lightning_default = 1 if name == "num_nodes" else default  # Lightning's Fabric(num_nodes=1)
+    is_default = _is_default(value, default) or str(value) == str(lightning_default)
+    if raw != str(value) and not is_default and cli_used():
+        raise ValueError(f"Fabric({name}={value!r}) conflicts with `--{name}={raw}` set through the CLI "
+                         f"(LT_{name.upper()}); pass the value in one place only.")
+    if name == "num_nodes":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"LT_NUM_NODES={raw!r}: expected an int >= 1.") from None
+    return raw
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -12,13 +12,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from fabriclite import checkpoint, collectives, wrappers
+from fabriclite import checkpoint, collectives, lightning_module, run_method, wrappers
 from fabriclite.accelerators import Accelerator
 from fabriclite.callbacks import as_callback_list, call_hook
-from fabriclite.connector import Connector
+from fabriclite.connector import Connector, cli_used
 from fabriclite.data import gather_eval as _gather_eval
 from fabriclite.data import setup_dataloader as _setup_dataloader
 from fabriclite.launchers.child import ERROR_FILE_ENV, record_errors
+from fabriclite.launchers.output import line_buffer_stdio
+from fabriclite.loggers.base import share_logger_state
 from fabriclite.seed import seed_everything as _seed_everything
 from fabriclite.strategies import Strategy
 from fabriclite.wrappers import FabricDataLoader, FabricModule, FabricOptimizer
@@ -32,6 +34,9 @@ class Fabric:
     "xla", ... or an instance), ``devices`` ("auto", an int, a list of GPU indices, "0,1", -1),
     ``num_nodes``, ``precision``, ``plugins``, ``callbacks``, ``loggers``. Bad values raise
     ValueError/TypeError here, before any process starts.
+
+    In a script started by `fabriclite run` (or Lightning's `fabric run`: ``LT_CLI_USED=1``) the processes exist
+    already: ``Fabric(...)`` joins the job here, and ``launch()`` is then a no-op (``launch(fn)`` runs ``fn``).
     """
 
     def __init__(
@@ -52,7 +57,13 @@ class Fabric:
         self._callbacks = as_callback_list(callbacks)
         self._loggers = _as_list(loggers)
         self._launched = False
+        self._joined_by_cli = False
         self._bind_loggers()
+        cli = cli_used()
+        run_method.prepare(self, Fabric, cli)
+        if cli and self._strategy.launcher is None:  # the CLI started this rank: join now, as Lightning does
+            self._setup_rank(register_atexit=True)
+            self._joined_by_cli = True
 
     # ------------------------------------------------------------------ rank facts
     @property
@@ -93,6 +104,10 @@ class Fabric:
         return self._strategy.is_global_zero
 
     # ------------------------------------------------------------------ launch
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """Override in a subclass with the training code: ``fabric.run(...)`` then launches the processes and
+        runs it on every rank with those arguments (see fabriclite.run_method)."""
+
     def launch(self, function: Optional[Callable[..., Any]] = None, *args: Any, **kwargs: Any) -> Any:
         """Start or join the processes, then run ``function(self, *args, **kwargs)`` on every rank if
         given.
@@ -100,13 +115,15 @@ class Fabric:
         Script mode ("ddp"): this process becomes the supervisor, re-runs the script once per local rank
         and exits with the job's code (code above ``launch()`` runs in the supervisor too); each rank
         gets its own return value. spawn/fork strategies need ``function`` and return rank 0's result.
-        Under an external launcher (torchrun, srun, mpirun, ``fabriclite run``) nothing is started.
+        Under an external launcher (torchrun, srun, mpirun) nothing is started. Under `fabriclite run` (or
+        Lightning's `fabric run`) the Fabric joined in ``__init__``: ``launch()`` does nothing and
+        ``launch(fn, ...)`` returns ``fn(fabric, ...)`` run on this rank.
         """
+        run_method.check_function(function)
+        if self._joined_by_cli:
+            return function(self, *args, **kwargs) if function is not None else None
         if self._launched:
             raise RuntimeError("launch() was already called on this Fabric; call it once per process.")
-        if function is not None and not callable(function):
-            raise TypeError(f"launch(function={function!r}): expected a callable taking the Fabric as first "
-                            "argument, or nothing.")
         launcher = self._strategy.launcher
         if launcher is None:
             self._setup_rank(register_atexit=True)
@@ -135,9 +152,14 @@ class Fabric:
     def _setup_rank(self, register_atexit: bool) -> None:
         if ERROR_FILE_ENV in os.environ:
             record_errors()
+        if self.world_size > 1:
+            line_buffer_stdio()  # one write per printed line: ranks sharing a terminal or pipe never glue lines
         self._strategy.setup_environment()
         self._launched = True
         self._bind_loggers()
+        if self.world_size > 1:
+            share_logger_state(self._loggers, self.global_rank,
+                               lambda obj: collectives.broadcast(self._strategy, obj, 0))
         if register_atexit:
             atexit.register(self._teardown)
 
@@ -154,6 +176,7 @@ class Fabric:
         """The wrapped module, or ``(module, *optimizers[, scheduler])`` (see fabriclite.wrappers.setup_module)."""
         self._check_launched("setup")
         wrapped, opts = wrappers.setup_module(self._strategy, module, optimizers, move_to_device, self._callbacks)
+        lightning_module.attach(self, wrapped.module, self._callbacks, opts)
         self.call("on_after_setup", fabric=self, module=wrapped)
         if not opts:
             return wrapped
@@ -164,6 +187,7 @@ class Fabric:
         """``module`` wrapped for the strategy and precision, without optimizers."""
         self._check_launched("setup_module")
         wrapped, _ = wrappers.setup_module(self._strategy, module, (), move_to_device, self._callbacks)
+        lightning_module.attach(self, wrapped.module, self._callbacks)
         self.call("on_after_setup", fabric=self, module=wrapped)
         return wrapped
 
@@ -242,17 +266,20 @@ class Fabric:
 
     def gather_eval(self, data: Any, dataloader: Any) -> Any:
         """Per-sample results of one eval pass from every rank, each sample once (see fabriclite.data)."""
+        self._check_launched("gather_eval")
         return _gather_eval(self._strategy, data, dataloader)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: Union[str, "os.PathLike[str]"], state: Dict[str, Any],
              filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
         """Write ``state`` to ``path`` on global rank 0, atomically; every rank returns when it is complete."""
+        self._check_launched("save")
         checkpoint.save(self._strategy, path, wrappers.unwrap(state, loaders=False), filter)
 
     def load(self, path: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
              strict: bool = True, *, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Restore ``state`` in place from ``path``; returns what was not restored (all of it without state)."""
+        self._check_launched("load")
         unwrapped = wrappers.unwrap(state, loaders=False)
         remainder = checkpoint.load(self._strategy, path, unwrapped, strict=strict, weights_only=weights_only)
         if state is not None:
@@ -264,6 +291,7 @@ class Fabric:
     def load_raw(self, path: Union[str, "os.PathLike[str]"], obj: Union[nn.Module, Optimizer], strict: bool = True,
                  *, weights_only: Optional[bool] = None) -> None:
         """Load a bare state_dict file (made without Fabric) into a module or optimizer."""
+        self._check_launched("load_raw")
         checkpoint.load_raw(self._strategy, path, wrappers.unwrap(obj), strict=strict, weights_only=weights_only)
 
     # ------------------------------------------------------------------ callbacks and loggers
@@ -299,9 +327,12 @@ class Fabric:
                 logger.bind_rank(rank)
 
     def _check_launched(self, what: str) -> None:
-        if not self._launched and self._strategy.launcher is not None:
-            raise RuntimeError(f"fabric.{what}() with strategy={self._strategy.name!r} needs the processes started: "
-                               "call fabric.launch() first (or run the script with `fabriclite run`).")
+        """RuntimeError before the job is joined (several processes, no ``launch()`` yet), before anything
+        reaches torch.distributed (Lightning's rule: every strategy but the single-device one)."""
+        if not self._launched and not self._strategy.single_device:
+            raise RuntimeError(f"fabric.{what}() with strategy={self._strategy.name!r} needs this process to join the "
+                               "job first: call fabric.launch() before it (under torchrun / srun / mpirun too), or "
+                               "start the script with `fabriclite run`.")
 
     # ------------------------------------------------------------------ printing and collectives
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -311,34 +342,41 @@ class Fabric:
 
     def barrier(self, name: Optional[str] = None, check: bool = True) -> None:
         """Wait until every rank reaches this point (see fabriclite.collectives.barrier)."""
+        self._check_launched("barrier")
         collectives.barrier(self._strategy, name, check=check)
 
     def broadcast(self, obj: Any, src: int = 0, check: bool = True) -> Any:
         """``obj`` from global rank ``src`` on every rank (see fabriclite.collectives.broadcast)."""
+        self._check_launched("broadcast")
         return collectives.broadcast(self._strategy, obj, src, check=check)
 
     def all_gather(self, data: Any, group: Optional[Any] = None, sync_grads: bool = False, cat: bool = False,
                    check: bool = True) -> Any:
         """Every rank's ``data``, leaf by leaf (see fabriclite.collectives.all_gather)."""
+        self._check_launched("all_gather")
         return collectives.all_gather(self._strategy, data, group=group, sync_grads=sync_grads, cat=cat, check=check)
 
     def all_reduce(self, data: Any, group: Optional[Any] = None, reduce_op: Any = "mean", check: bool = True) -> Any:
         """``data`` reduced over the ranks, leaf by leaf (see fabriclite.collectives.all_reduce)."""
+        self._check_launched("all_reduce")
         return collectives.all_reduce(self._strategy, data, group=group, reduce_op=reduce_op, check=check)
 
     def gather(self, data: Any, dst: int = 0, group: Optional[Any] = None) -> Any:
         """A list of every rank's ``data`` on rank ``dst``; None elsewhere."""
+        self._check_launched("gather")
         return collectives.gather(self._strategy, data, dst=dst, group=group)
 
     def reduce(self, data: Any, dst: int = 0, reduce_op: Any = "mean", group: Optional[Any] = None,
                check: bool = True) -> Any:
         """``data`` reduced over the ranks on rank ``dst``; None elsewhere (see fabriclite.collectives.reduce)."""
+        self._check_launched("reduce")
         return collectives.reduce(self._strategy, data, dst=dst, reduce_op=reduce_op, group=group, check=check)
 
     @contextmanager
     def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:
         """Rank 0 (of each node with ``local=True``) runs the block first; the others wait, without a
         deadline, and raise rank 0's error if its block raised."""
+        self._check_launched("rank_zero_first")
         with collectives.rank_zero_first(self._strategy, local=local):
             yield
 

@@ -70,12 +70,11 @@ def test_tensorboard_logger_records_scalars_and_hparams(tmp_path):
     assert "hp_metric" in acc.Tags()["scalars"]
 
 
-def test_tensorboard_experiment_refuses_other_ranks(tmp_path):
+def test_tensorboard_experiment_is_a_no_op_on_other_ranks(tmp_path):
     logger = TensorBoardLogger(tmp_path)
     logger.bind_rank(1)
     logger.log_metrics({"x": 1.0})  # a no-op
-    with pytest.raises(RuntimeError, match="rank 1"):
-        logger.experiment
+    logger.experiment.add_text("note", "on rank 1")  # Lightning's dummy experiment: accepted, does nothing
     assert not os.path.exists(tmp_path / "lightning_logs")
 
 

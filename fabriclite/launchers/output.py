@@ -4,11 +4,19 @@ optional per-rank log files (like torchrun's --tee / --log-dir).
 Popen ranks (script mode, ``fabriclite run``) get pipes through ``popen_kwargs()``; spawn/fork ranks
 get the write ends of ``open_pipes()`` and point their stdout/stderr there (``redirect_output``).
 The supervisor forwards every line, prefixed, to its own stdout/stderr and to ``LOG_DIR/rank_N.log``.
+
+Lines stay whole: a rank's stdout / stderr are line-buffered once it joins (``line_buffer_stdio``: one write
+per line, atomic on a shared pipe up to 4 KiB), and the supervisor writes each rank's complete lines under one
+lock per stream. A progress bar redrawing with ``\r`` is forwarded as it is drawn; another rank's line arriving
+meanwhile starts on a new line instead of being glued to the bar.
 """
 from __future__ import annotations
 
+import codecs
 import io
 import os
+import re
+import select
 import subprocess
 import sys
 import threading
@@ -84,7 +92,7 @@ class OutputOptions:
         tag = f"[rank {global_rank}] " if self.prefix else ""
         lock = threading.Lock()
         for stream, sink in ((stdout, sys.stdout), (stderr, sys.stderr)):
-            thread = threading.Thread(target=_pump, args=(stream, sink, tag, log, lock), daemon=True,
+            thread = threading.Thread(target=_pump, args=(stream, sink, global_rank, tag, log, lock), daemon=True,
                                       name=f"fabriclite-output-{global_rank}")
             thread.start()
             self._threads.append(thread)
@@ -122,22 +130,103 @@ def redirect_output(stdout_fd: int, stderr_fd: int) -> None:
             stream.reconfigure(line_buffering=True)
 
 
-def _pump(stream: Optional[IO[bytes]], sink: IO[str], tag: str, log: Optional[IO[str]], lock: threading.Lock) -> None:
+def line_buffer_stdio() -> None:
+    """In a rank: make ``sys.stdout`` / ``sys.stderr`` line-buffered and not write-through (even under
+    PYTHONUNBUFFERED=1), so that each ``print`` reaches the shared terminal or pipe in one write (text and
+    newline together; a ``\r`` flushes too, so progress bars stay live). Streams that are not
+    ``io.TextIOWrapper`` (replaced by the user or a notebook) are left alone."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            try:
+                stream.reconfigure(line_buffering=True, write_through=False)
+            except (ValueError, OSError):  # closed or detached
+                pass
+
+
+class _Terminal:
+    """The supervisor's stdout and stderr as every rank's pump shares them: whole writes under one lock, and
+    the one (rank, stream) whose partial line (a progress bar) is open, so that any other write starts on a
+    new line instead of being glued to it (the bar redraws on that new line)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: Optional[Tuple[Tuple[int, int], IO[str]]] = None
+        self.last_char: Dict[Tuple[int, int], str] = {}
+        self.interrupted: set = set()
+
+    def write(self, stream: IO[str], rank: int, text: str, tag: str) -> None:
+        key = (rank, id(stream))
+        with self.lock:
+            if self.open is not None and self.open[0] != key:
+                _emit(self.open[1], "\n")
+                self.interrupted.add(self.open[0])
+                self.open = None
+            if key in self.interrupted:
+                self.interrupted.discard(key)
+                text = text[1:] if text.startswith("\n") else text  # that line was ended for it
+            if not text:
+                return
+            at_start = self.open is None or self.last_char.get(key) == "\r"
+            _emit(stream, _tag_lines(text, tag, at_start) if tag else text)
+            self.last_char[key] = text[-1]
+            self.open = None if text.endswith("\n") else (key, stream)
+
+
+def _emit(stream: IO[str], text: str) -> None:
+    try:
+        stream.write(text)
+        stream.flush()
+    except (OSError, ValueError):
+        pass
+
+
+_TERMINAL = _Terminal()
+#: where a "[rank N] " tag goes: after a newline or carriage return that more text follows (not "\r\n")
+_LINE_STARTS = re.compile(r"(?<=\n)(?=.)|(?<=\r)(?=[^\n])", re.S)
+
+
+def _tag_lines(text: str, tag: str, at_start: bool) -> str:
+    text = _LINE_STARTS.sub(lambda _: tag, text)
+    return tag + text if at_start and not text.startswith("\r") else text
+
+
+def _pump(stream: Optional[IO[bytes]], sink: IO[str], rank: int, tag: str, log: Optional[IO[str]],
+          lock: threading.Lock) -> None:
+    """Forward ``stream`` to ``sink`` until it ends: complete lines as they arrive, a partial line with a
+    ``\r`` (a progress bar) at once, another partial line when nothing more follows within 50 ms."""
     if stream is None:
         return
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     with stream:
-        for raw in stream:
-            line = raw.decode("utf-8", errors="replace")
-            if not line.endswith("\n"):
-                line += "\n"
+        fd = stream.fileno()
+        pending = b""
+        while True:
+            if pending and b"\r" not in pending and not select.select([fd], [], [], 0.05)[0]:
+                _forward(sink, rank, tag, log, lock, decoder.decode(pending))  # a flush mid-line: show it
+                pending = b""
+                continue
             try:
-                sink.write(tag + line)
-                sink.flush()
-            except (OSError, ValueError):
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            pending += chunk
+            cut = pending.rfind(b"\n") + 1
+            if b"\r" in pending[cut:]:
+                cut = len(pending)
+            if cut:
+                _forward(sink, rank, tag, log, lock, decoder.decode(pending[:cut]))
+                pending = pending[cut:]
+        if pending:
+            _forward(sink, rank, tag, log, lock, decoder.decode(pending + b"\n", final=True))
+
+
+def _forward(sink: IO[str], rank: int, tag: str, log: Optional[IO[str]], lock: threading.Lock, text: str) -> None:
+    _TERMINAL.write(sink, rank, text, tag)
+    if log is not None:
+        with lock:
+            try:
+                log.write(text)
+            except ValueError:  # closed after the supervisor stopped waiting
                 pass
-            if log is not None:
-                with lock:
-                    try:
-                        log.write(line)
-                    except ValueError:  # closed after the supervisor stopped waiting
-                        log = None

@@ -5,7 +5,7 @@ import functools
 import os
 from abc import ABC, abstractmethod
 from argparse import Namespace
-from typing import Any, Callable, Dict, Mapping, Optional, TypeVar, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, TypeVar, Union
 
 from torch import Tensor
 
@@ -24,17 +24,70 @@ def rank_zero_only(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+#: where a logger used without a Fabric reads its rank: fabriclite's supervised ranks, then Lightning's
+#: ``rank_zero_only.rank`` sources in Lightning's order
+RANK_VARS = ("FABRICLITE_RANK", "RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
+
+def env_rank() -> int:
+    """This process's rank from the environment (the first of ``RANK_VARS`` that is set; 0 when none is)."""
+    for name in RANK_VARS:
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"${name}={value!r}: expected an int (the rank of this process).") from None
+    return 0
+
+
+class DummyExperiment:
+    """What ``logger.experiment`` is on a rank other than 0 (Lightning's ``_DummyExperiment``, widened): every
+    attribute, call, item and ``with`` is accepted and returns the dummy itself, so chains like
+    ``logger.experiment.add_text(...)`` or ``logger.experiment[0].log(...)`` do nothing on those ranks."""
+
+    def nop(self, *args: Any, **kwargs: Any) -> "DummyExperiment":
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)  # keep copy / pickle / introspection protocols intact
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "DummyExperiment":
+        return self
+
+    def __getitem__(self, index: Any) -> "DummyExperiment":
+        return self
+
+    def __setitem__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> "DummyExperiment":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "DummyExperiment()"
+
+
+_DummyExperiment = DummyExperiment  # Lightning's name
+
+
 class Logger(ABC):
     """Base class of experiment loggers (Lightning Fabric's interface).
 
     Writes happen on global rank 0 only: ``Fabric`` tells each logger its rank (``bind_rank``) when the
     Fabric is created and again when the processes are launched; the ``rank_zero_only`` decorator turns
     the writing methods into no-ops on every other rank, so nothing touches the disk there. A logger used
-    without a Fabric counts as rank 0.
+    without a Fabric takes its rank from the environment (``RANK_VARS``, as Lightning's ``rank_zero_only``
+    does), so that only rank 0 writes there too. ``experiment`` is a ``DummyExperiment`` on other ranks.
     """
 
     def __init__(self) -> None:
-        self._rank = 0
+        self._rank = env_rank()
 
     @property
     def rank(self) -> int:
@@ -43,6 +96,13 @@ class Logger(ABC):
 
     def bind_rank(self, rank: int) -> None:
         self._rank = int(rank)
+
+    def shared_state(self) -> Dict[str, Any]:
+        """What every rank must agree on with rank 0 (its resolved name / version); see ``adopt_shared_state``."""
+        return {}
+
+    def adopt_shared_state(self, state: Dict[str, Any]) -> None:
+        """Take rank 0's ``shared_state()`` (called on the other ranks when the Fabric joins the job)."""
 
     @property
     @abstractmethod
@@ -105,6 +165,13 @@ class VersionedLogger(Logger):
     def name(self) -> str:
         return self._name
 
+    def shared_state(self) -> Dict[str, Any]:
+        return {"name": self._name, "version": self.version, "root_dir": self._root_dir}
+
+    def adopt_shared_state(self, state: Dict[str, Any]) -> None:
+        if state.get("root_dir") == self._root_dir and state.get("name") == self._name:
+            self._version = state["version"]
+
     @property
     def version(self) -> Union[int, str]:
         if self._version is None:
@@ -120,6 +187,19 @@ class VersionedLogger(Logger):
         version = self.version if isinstance(self.version, str) else f"version_{self.version}"
         path = os.path.join(self._root_dir, self._name, version)
         return os.path.join(path, self._sub_dir) if self._sub_dir else path
+
+
+def share_logger_state(loggers: List[Any], rank: int, broadcast: Callable[[Any], Any]) -> None:
+    """Make every rank's loggers agree with rank 0's (their versions: ``version=None`` resolves to the next
+    free directory on rank 0, which the other ranks could see differently). ``broadcast(obj)`` returns rank
+    0's ``obj`` on every rank; every rank must call this, whatever loggers it has (one broadcast)."""
+    mine = [logger.shared_state() if isinstance(logger, Logger) else None for logger in loggers]
+    states = broadcast(mine)
+    if rank == 0:
+        return
+    for logger, state in zip(loggers, states):
+        if isinstance(logger, Logger) and state:
+            logger.adopt_shared_state(state)
 
 
 def add_prefix(metrics: Mapping[str, Any], prefix: str, separator: str) -> Dict[str, Any]:

@@ -7,7 +7,7 @@ import os
 from argparse import Namespace
 from typing import Any, Dict, List, Optional, Union
 
-from fabriclite.loggers.base import VersionedLogger, add_prefix, params_to_dict, rank_zero_only, to_scalar
+from fabriclite.loggers.base import DummyExperiment, VersionedLogger, add_prefix, params_to_dict, rank_zero_only, to_scalar
 
 
 class CSVLogger(VersionedLogger):
@@ -39,9 +39,9 @@ class CSVLogger(VersionedLogger):
         return os.path.join(self.log_dir, self.NAME_METRICS_FILE)
 
     @property
-    def experiment(self) -> "CSVLogger":
-        """The logger itself (it is its own writer)."""
-        return self
+    def experiment(self) -> Any:
+        """The logger itself (it is its own writer) on global rank 0; a ``DummyExperiment`` elsewhere."""
+        return self if self.rank == 0 else DummyExperiment()
 
     @rank_zero_only
     def log_hyperparams(self, params: Union[Dict[str, Any], Namespace], *args: Any, **kwargs: Any) -> None:

@@ -8,7 +8,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 from torch import Tensor
 
-from fabriclite.loggers.base import VersionedLogger, add_prefix, params_to_dict, rank_zero_only, to_scalar
+from fabriclite.loggers.base import DummyExperiment, VersionedLogger, add_prefix, params_to_dict, rank_zero_only, to_scalar
 
 
 class TensorBoardLogger(VersionedLogger):
@@ -36,11 +36,11 @@ class TensorBoardLogger(VersionedLogger):
 
     @property
     def experiment(self) -> Any:
-        """The ``SummaryWriter`` (created on first access; RuntimeError on a rank other than 0)."""
+        """The ``SummaryWriter`` (created on first access) on global rank 0; on every other rank a
+        ``DummyExperiment`` that accepts any call and does nothing (as Lightning's)."""
+        if self.rank != 0:
+            return DummyExperiment()
         if self._experiment is None:
-            if self.rank != 0:
-                raise RuntimeError(f"TensorBoardLogger.experiment was used on global rank {self.rank}; only rank 0 "
-                                   "writes logs. Guard the call with `if fabric.is_global_zero:`.")
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as err:
