@@ -40,6 +40,19 @@ def weights(module: nn.Module) -> Dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
+def plain(obj: Any) -> Any:
+    """``obj`` with every tensor as ``(dtype name, nested list)``: what a spawned rank returns. Tensors returned
+    from a spawned process travel through shared memory that the finished process no longer serves under
+    Lightning's launcher, so programs return plain values (exact: a float32 becomes the same float64)."""
+    if isinstance(obj, torch.Tensor):
+        return (str(obj.dtype), obj.detach().cpu().tolist())
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain(v) for v in obj)
+    return obj
+
+
 def recording_logger_class() -> type:
     """A Logger subclass (of the framework's ``loggers.Logger``) that keeps what it is asked to log, written
     the way Lightning's docs say custom loggers are: the writing methods under ``@rank_zero_only``."""

@@ -3,7 +3,7 @@ scripts that set devices in code): ``fn(fabric, *args)`` runs in each new proces
 import torch
 import torch.nn.functional as F
 
-from common import fabric_module, make_model, rank_batches, weights
+from common import fabric_module, make_model, plain, rank_batches, weights
 
 Fabric = fabric_module().Fabric  # from lightning.fabric import Fabric  |  from fabriclite import Fabric
 
@@ -20,8 +20,8 @@ def train(fabric, steps, lr):
         fabric.backward(loss)
         optimizer.step()
         losses.append(fabric.all_reduce(loss.detach()))
-    return {"rank": fabric.global_rank, "world": fabric.world_size, "weights": weights(model),
-            "losses": torch.stack(losses), "ranks": fabric.all_gather(torch.tensor(fabric.global_rank))}
+    return plain({"rank": fabric.global_rank, "world": fabric.world_size, "weights": weights(model),
+                  "losses": torch.stack(losses), "ranks": fabric.all_gather(torch.tensor(fabric.global_rank))})
 
 
 def main(workdir):

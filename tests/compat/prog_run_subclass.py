@@ -3,7 +3,7 @@ processes, runs ``run`` in each, and returns rank 0's result."""
 import torch
 import torch.nn.functional as F
 
-from common import fabric_module, make_model, rank_batches, weights
+from common import fabric_module, make_model, plain, rank_batches, weights
 
 Fabric = fabric_module().Fabric  # from lightning.fabric import Fabric  |  from fabriclite import Fabric
 
@@ -19,8 +19,8 @@ class MyFabric(Fabric):
             optimizer.zero_grad()
             self.backward(loss)
             optimizer.step()
-        return {"rank": self.global_rank, "weights": weights(model),
-                "sum": self.all_reduce(torch.tensor(self.global_rank + 1.0), reduce_op="sum")}
+        return plain({"rank": self.global_rank, "weights": weights(model),
+                      "sum": self.all_reduce(torch.tensor(self.global_rank + 1.0), reduce_op="sum")})
 
 
 def main(workdir):

@@ -92,6 +92,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Dict[str, Any
 
 
 # ---------------------------------------------------------------------------------------------- comparing
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
 def differences(a: Any, b: Any, path: str = "") -> List[str]:
     """Where ``a`` and ``b`` differ, down to the bits of every tensor and float."""
     if type(a) is not type(b):
@@ -99,7 +103,7 @@ def differences(a: Any, b: Any, path: str = "") -> List[str]:
     if isinstance(a, torch.Tensor):
         if a.dtype != b.dtype or a.shape != b.shape:
             return [f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
-        same = torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)) if a.numel() else True
+        same = torch.equal(_bytes(a), _bytes(b)) if a.numel() else True
         return [] if same else [f"{path}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"]
     if isinstance(a, dict):
         if list(a) != list(b) and sorted(map(str, a)) != sorted(map(str, b)):
@@ -208,12 +212,13 @@ def test_gradient_accumulation_no_backward_sync(results):
 def test_launch_spawn_returns_rank_zero_result(results):
     (result,) = assert_identical(results, "spawn", "prog_launch_spawn")
     assert result["rank"] == 0 and result["world"] == 2
-    assert torch.equal(result["ranks"], torch.tensor([0, 1]))
+    assert result["ranks"] == ("torch.int64", [0, 1])
+    assert result["weights"]["0.weight"][0] == "torch.float32"
 
 
 def test_run_subclass(results):
     (result,) = assert_identical(results, "spawn", "prog_run_subclass")
-    assert result["rank"] == 0 and result["sum"].item() == 3.0
+    assert result["rank"] == 0 and result["sum"] == ("torch.float32", 3.0)
 
 
 def test_differences_finds_single_bit_flips():
