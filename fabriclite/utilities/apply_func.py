@@ -1,6 +1,7 @@
 """Moving (nested) collections of tensors between devices."""
 from __future__ import annotations
 
+from abc import ABC
 from typing import Any, Union
 
 import torch
@@ -8,7 +9,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 
-class _Transferable:
+class _Transferable(ABC):
     """Anything with a ``to(device)`` method (tensors, modules, user types) counts as transferable."""
 
     @classmethod
