@@ -163,6 +163,14 @@ def test_strategies_take_lightnings_positional_order_and_reject_checkpoint_io():
             make(object())
 
 
+def test_parallel_strategies_share_lightnings_base_class():
+    from fabriclite.strategies import ParallelStrategy
+
+    ddp = DDPStrategy(parallel_devices=[torch.device("cpu")] * 3)
+    assert isinstance(ddp, ParallelStrategy) and not isinstance(SingleDeviceStrategy(), ParallelStrategy)
+    assert ddp.num_processes == 3 and ddp.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+
+
 def test_precision_hooks_run_in_lightnings_order():
     calls = []
 

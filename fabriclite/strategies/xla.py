@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from fabriclite.accelerators.xla import import_xla
 from fabriclite.collectives.ops import BITWISE_OPS, check_native_reduce, reduce_rows_bitwise
-from fabriclite.strategies.base import Strategy
+from fabriclite.strategies.parallel import ParallelStrategy
 from fabriclite.strategies.single_device import SingleDeviceStrategy
 
 _SYNC_LOCK = threading.Lock()
@@ -119,7 +119,7 @@ class SingleDeviceXLAStrategy(_XLAMixin, SingleDeviceStrategy):
         return _device_loader(dataloader, self.root_device)
 
 
-class XLAStrategy(_XLAMixin, Strategy):
+class XLAStrategy(_XLAMixin, ParallelStrategy):
     """One replica per XLA device, started by the XLA launcher (``xmp.spawn``); ``launch(fn)`` returns rank 0's
     result. Ranks come from the XLA runtime after launch (before: rank 0 of ``num_processes``). ``group=`` is not
     supported: XLA collectives always span every replica. ``sync_module_states``: broadcast rank 0's parameters
@@ -130,10 +130,9 @@ class XLAStrategy(_XLAMixin, Strategy):
     def __init__(self, accelerator: Any = None, parallel_devices: Optional[List[torch.device]] = None,
                  checkpoint_io: None = None, precision: Any = None, sync_module_states: bool = True,
                  cluster_environment: Any = None) -> None:
-        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision,
-                         cluster_environment=cluster_environment)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, checkpoint_io=checkpoint_io,
+                         precision=precision, cluster_environment=cluster_environment)
         import_xla()
-        self.parallel_devices = parallel_devices
         self.sync_module_states = sync_module_states
         self._launched = False
 
@@ -199,10 +198,6 @@ class XLAStrategy(_XLAMixin, Strategy):
             import_xla().broadcast_master_param(module)
             xla_sync()
         return module
-
-    @property
-    def distributed_sampler_kwargs(self) -> Dict[str, int]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def process_dataloader(self, dataloader: Any) -> Any:
         return _device_loader(dataloader, self.root_device)
