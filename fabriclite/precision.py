@@ -77,8 +77,28 @@ class Precision:
     def tensor_init_context(self) -> ContextManager:
         return self.module_init_context()
 
-    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+    @property
+    def precision(self) -> str:
+        """Lightning's name for ``name`` ("32-true", "bf16-mixed", ...)."""
+        return self.name
+
+    def pre_backward(self, tensor: Tensor, module: Optional[nn.Module]) -> Any:
+        """Before ``backward`` (the strategy calls it): the tensor to run backward on."""
+        return tensor
+
+    def backward(self, tensor: Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         tensor.backward(*args, **kwargs)
+
+    def post_backward(self, tensor: Tensor, module: Optional[nn.Module]) -> Any:
+        """After ``backward`` (the strategy calls it)."""
+        return tensor
+
+    def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:
+        """The parameters ``optimizer`` updates (what gradient clipping works on)."""
+        return (p for group in optimizer.param_groups for p in group["params"])
+
+    def teardown(self) -> None:
+        """Release what the plugin holds (the strategy calls it at teardown)."""
 
     def guard_backward(self, tensor: Tensor) -> None:
         """Make ``tensor.backward()`` outside ``self.backward`` raise (for plugins that scale the loss)."""
@@ -99,7 +119,7 @@ class Precision:
     def state_dict(self) -> Dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         pass
 
     def __repr__(self) -> str:
@@ -144,7 +164,7 @@ class MixedPrecision(Precision):
         default = torch.get_default_dtype()
         return apply_to_collection(data, Tensor, lambda t: t.to(default) if t.is_floating_point() else t)
 
-    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+    def backward(self, tensor: Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         if self.scaler is None:
             tensor.backward(*args, **kwargs)
             return
@@ -170,9 +190,9 @@ class MixedPrecision(Precision):
     def state_dict(self) -> Dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if self.scaler is not None and state:
-            self.scaler.load_state_dict(state)
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
 
 
 def precision_plugin(precision: Union[str, int], device_type: str) -> Precision:

@@ -20,7 +20,7 @@ SEED_WORKERS_ENV = "PL_SEED_WORKERS"
 _MAX_SEED = 2**32 - 1
 
 
-def seed_everything(seed: Optional[int] = None, workers: bool = True, verbose: bool = True) -> int:
+def seed_everything(seed: Optional[int] = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed python's ``random``, numpy and torch (all devices) with ``seed`` and return it.
 
     ``seed=None`` reads ``$PL_GLOBAL_SEED`` (0 with a warning when unset). ``workers=True`` makes

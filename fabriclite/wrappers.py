@@ -21,7 +21,9 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from fabriclite.callbacks import call_hook
+from fabriclite.precision import Precision  # noqa: F401  (Lightning's wrappers module exposes it)
 from fabriclite.strategies.base import Strategy
+from fabriclite.utilities.apply_func import move_data_to_device  # noqa: F401  (as in Lightning's wrappers)
 
 #: LightningModule-style step methods that go through the strategy's forward (like ``forward``)
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")

@@ -9,7 +9,7 @@ from typing import Dict, Type
 
 from fabriclite.accelerators.base import Accelerator
 from fabriclite.accelerators.cpu import CPUAccelerator
-from fabriclite.accelerators.cuda import CUDAAccelerator
+from fabriclite.accelerators.cuda import CUDAAccelerator, find_usable_cuda_devices
 from fabriclite.accelerators.mps import MPSAccelerator
 
 #: accelerator name -> "module:Class" (loaded on first use, so optional backends stay unimported)
@@ -29,9 +29,10 @@ def accelerator_class(name: str) -> Type[Accelerator]:
 
 
 def __getattr__(name: str):  # lazy: `from fabriclite.accelerators import XLAAccelerator`
-    if name == "XLAAccelerator":
+    if name in ("XLAAccelerator", "TPUAccelerator"):  # TPUAccelerator: Lightning's legacy name
         return accelerator_class("tpu")
     raise AttributeError(f"module 'fabriclite.accelerators' has no attribute {name!r}")
 
 
-__all__ = ["ACCELERATORS", "Accelerator", "CPUAccelerator", "CUDAAccelerator", "MPSAccelerator", "accelerator_class"]
+__all__ = ["ACCELERATORS", "Accelerator", "CPUAccelerator", "CUDAAccelerator", "MPSAccelerator", "accelerator_class",
+           "find_usable_cuda_devices"]

@@ -15,7 +15,8 @@ class Accelerator(ABC):
     ``torch.device`` per local rank.
     """
 
-    name: ClassVar[str]
+    #: the accelerator's name ("cpu", "cuda", "mps", "tpu"); Lightning's ``name()`` is a static method
+    name: ClassVar[str] = "accelerator"
 
     @staticmethod
     @abstractmethod

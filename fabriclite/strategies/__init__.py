@@ -10,6 +10,7 @@ from typing import Any, Dict, Tuple, Type
 
 from fabriclite.strategies.base import Strategy
 from fabriclite.strategies.ddp import DDPStrategy
+from fabriclite.strategies.parallel import ParallelStrategy
 from fabriclite.strategies.single_device import SingleDeviceStrategy
 
 #: strategy name -> ("module:Class", constructor keyword arguments)
@@ -26,7 +27,9 @@ STRATEGIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "single_xla": ("fabriclite.strategies.xla:SingleDeviceXLAStrategy", {}),
 }
 
-_LAZY = {"HorovodStrategy": "horovod", "XLAStrategy": "xla", "SingleDeviceXLAStrategy": "single_xla"}
+#: SingleTPUStrategy: Lightning's legacy name of SingleDeviceXLAStrategy
+_LAZY = {"HorovodStrategy": "horovod", "XLAStrategy": "xla", "SingleDeviceXLAStrategy": "single_xla",
+         "SingleTPUStrategy": "single_xla"}
 
 
 def strategy_class(name: str) -> Type[Strategy]:
@@ -46,4 +49,4 @@ def __getattr__(name: str) -> Any:  # lazy: `from fabriclite.strategies import H
     raise AttributeError(f"module 'fabriclite.strategies' has no attribute {name!r}")
 
 
-__all__ = ["DDPStrategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "create_strategy", "strategy_class"]
+__all__ = ["DDPStrategy", "ParallelStrategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "create_strategy", "strategy_class"]

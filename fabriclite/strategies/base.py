@@ -60,9 +60,11 @@ class Strategy(ABC):
     def __init__(
         self,
         accelerator: Optional[Accelerator] = None,
+        checkpoint_io: None = None,
         precision: Optional[Precision] = None,
         cluster_environment: Optional["ClusterEnvironment"] = None,
     ) -> None:
+        reject_checkpoint_io(checkpoint_io)
         self.accelerator = accelerator
         self.precision = precision or Precision()
         self.cluster_environment = cluster_environment
@@ -106,7 +108,11 @@ class Strategy(ABC):
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
-        """Per rank, after launch: claim the device (and, for parallel strategies, join the group)."""
+        """Per rank, after launch: claim the device (and, for parallel strategies, join the group). Sets
+        ``rank_zero_only.rank`` (lightning_utilities', which ``fabriclite.utilities`` exports) to this rank."""
+        from lightning_utilities.core.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         assert self.accelerator is not None, "the connector sets the accelerator"
         self.accelerator.setup_device(self.root_device, self.local_world_size())
 
@@ -150,7 +156,10 @@ class Strategy(ABC):
         return module_init_context(self.root_device, self.precision.tensor_init_context(), False)
 
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        """The precision's ``pre_backward`` / ``backward`` / ``post_backward``, in Lightning's order."""
+        tensor = self.precision.pre_backward(tensor, module)
         self.precision.backward(tensor, module, *args, **kwargs)
+        self.precision.post_backward(tensor, module)
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         return self.precision.optimizer_step(optimizer, **kwargs)
@@ -212,6 +221,7 @@ class Strategy(ABC):
 
     def teardown(self) -> None:
         """Leave the group and release the device; safe to call twice."""
+        self.precision.teardown()
         if self.accelerator is not None:
             self.accelerator.teardown()
 
@@ -297,6 +307,15 @@ class Strategy(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(accelerator={self.accelerator!r}, precision={self.precision!r})"
+
+
+def reject_checkpoint_io(checkpoint_io: Any) -> None:
+    """Lightning's ``checkpoint_io`` argument is accepted in its place, as None only: fabriclite writes
+    checkpoints itself (``fabriclite.checkpoint``: atomic, one protocol for every strategy)."""
+    if checkpoint_io is not None:
+        raise ValueError(f"checkpoint_io={checkpoint_io!r}: fabriclite has no CheckpointIO plugins; it writes "
+                         "checkpoints itself (atomically). Leave checkpoint_io unset and use fabric.save / "
+                         "fabric.load; see docs/compat.md.")
 
 
 def _params(optimizer: Optimizer) -> Iterator[Tensor]:

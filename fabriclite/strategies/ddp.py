@@ -14,7 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fabriclite import rendezvous
 from fabriclite.network import gloo_interface
-from fabriclite.strategies.base import Strategy, copy_into
+from fabriclite.strategies.base import copy_into
+from fabriclite.strategies.parallel import ParallelStrategy
 from fabriclite.launchers.output import prefixed_by_supervisor
 from fabriclite.strategies.progress import CollectiveWatch
 
@@ -36,7 +37,7 @@ OVERLAP_BYTES = 4 << 20
 OVERLAP_CHUNKS = 4
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(ParallelStrategy):
     """Data-parallel over torch.distributed.
 
     ``start_method``: "popen" re-runs the script once per local rank (script mode), "spawn"/"fork"
@@ -52,16 +53,17 @@ class DDPStrategy(Strategy):
         accelerator: Any = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Any = None,
+        checkpoint_io: None = None,
         precision: Any = None,
         process_group_backend: Optional[str] = None,
         timeout: Union[None, float, timedelta] = None,
         start_method: StartMethod = "popen",
         **ddp_kwargs: Any,
     ) -> None:
-        super().__init__(accelerator=accelerator, precision=precision, cluster_environment=cluster_environment)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, checkpoint_io=checkpoint_io,
+                         precision=precision, cluster_environment=cluster_environment)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r}; expected 'popen', 'spawn', 'fork' or 'forkserver'.")
-        self.parallel_devices = parallel_devices
         self.num_nodes = 1
         self.process_group_backend = process_group_backend
         self.timeout = rendezvous.resolve_timeout(timeout)
@@ -77,10 +79,6 @@ class DDPStrategy(Strategy):
     def root_device(self) -> torch.device:
         assert self.parallel_devices, "the connector sets parallel_devices"
         return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices else 1
 
     @property
     def world_size(self) -> int:
@@ -213,10 +211,6 @@ class DDPStrategy(Strategy):
         if isinstance(module, DistributedDataParallel):
             module = module.module
         super().load_module_state_dict(module, state_dict, strict=strict)
-
-    @property
-    def distributed_sampler_kwargs(self) -> Dict[str, int]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
         """DDP's ``no_sync()``: gradients accumulate locally until a backward outside the block."""

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from fabriclite.collectives.ops import BITWISE_OPS, check_native_reduce, reduce_rows_bitwise
-from fabriclite.strategies.base import Strategy
+from fabriclite.strategies.parallel import ParallelStrategy
 
 INSTALL_RECIPE = (
     "`make env-horovod` (builds horovod 0.28.1 into a cached venv), or by hand: download the sdist with "
@@ -44,7 +44,7 @@ def import_horovod() -> Any:
     return hvd
 
 
-class HorovodStrategy(Strategy):
+class HorovodStrategy(ParallelStrategy):
     """Data-parallel over Horovod: run the script with ``horovodrun -np N [-H host:n,...] [--gloo] python script.py``.
 
     ``launch()`` only joins (``hvd.init()``); ranks come from Horovod (``HOROVOD_*`` variables before that).
@@ -184,10 +184,6 @@ class HorovodStrategy(Strategy):
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
         _synchronize(optimizer)
         super().clip_gradients_value(module, optimizer, clip_val)
-
-    @property
-    def distributed_sampler_kwargs(self) -> Dict[str, int]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:

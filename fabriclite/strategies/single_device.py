@@ -14,8 +14,9 @@ class SingleDeviceStrategy(Strategy):
     name = "single_device"
     single_device = True
 
-    def __init__(self, device: Union[str, torch.device, int] = "cpu", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, device: Union[str, torch.device, int] = "cpu", accelerator: Any = None,
+                 checkpoint_io: None = None, precision: Any = None, **kwargs: Any) -> None:
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision, **kwargs)
         self._device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
 
     @property

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from fabriclite.accelerators.xla import import_xla
 from fabriclite.collectives.ops import BITWISE_OPS, check_native_reduce, reduce_rows_bitwise
-from fabriclite.strategies.base import Strategy
+from fabriclite.strategies.parallel import ParallelStrategy
 from fabriclite.strategies.single_device import SingleDeviceStrategy
 
 _SYNC_LOCK = threading.Lock()
@@ -108,16 +108,18 @@ class SingleDeviceXLAStrategy(_XLAMixin, SingleDeviceStrategy):
 
     name = "single_xla"
 
-    def __init__(self, device: Union[int, str, torch.device] = 0, **kwargs: Any) -> None:
+    def __init__(self, device: Union[int, str, torch.device] = 0, accelerator: Any = None,
+                 checkpoint_io: None = None, precision: Any = None, **kwargs: Any) -> None:
         import_xla()
         index = device if isinstance(device, int) else (torch.device(device).index or 0)
-        super().__init__(device=torch.device("xla", index), **kwargs)
+        super().__init__(device=torch.device("xla", index), accelerator=accelerator, checkpoint_io=checkpoint_io,
+                         precision=precision, **kwargs)
 
     def process_dataloader(self, dataloader: Any) -> Any:
         return _device_loader(dataloader, self.root_device)
 
 
-class XLAStrategy(_XLAMixin, Strategy):
+class XLAStrategy(_XLAMixin, ParallelStrategy):
     """One replica per XLA device, started by the XLA launcher (``xmp.spawn``); ``launch(fn)`` returns rank 0's
     result. Ranks come from the XLA runtime after launch (before: rank 0 of ``num_processes``). ``group=`` is not
     supported: XLA collectives always span every replica. ``sync_module_states``: broadcast rank 0's parameters
@@ -125,11 +127,12 @@ class XLAStrategy(_XLAMixin, Strategy):
 
     name = "xla"
 
-    def __init__(self, accelerator: Any = None, precision: Any = None, cluster_environment: Any = None,
-                 parallel_devices: Optional[List[torch.device]] = None, sync_module_states: bool = True) -> None:
-        super().__init__(accelerator=accelerator, precision=precision, cluster_environment=cluster_environment)
+    def __init__(self, accelerator: Any = None, parallel_devices: Optional[List[torch.device]] = None,
+                 checkpoint_io: None = None, precision: Any = None, sync_module_states: bool = True,
+                 cluster_environment: Any = None) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, checkpoint_io=checkpoint_io,
+                         precision=precision, cluster_environment=cluster_environment)
         import_xla()
-        self.parallel_devices = parallel_devices
         self.sync_module_states = sync_module_states
         self._launched = False
 
@@ -196,12 +199,13 @@ class XLAStrategy(_XLAMixin, Strategy):
             xla_sync()
         return module
 
-    @property
-    def distributed_sampler_kwargs(self) -> Dict[str, int]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
     def process_dataloader(self, dataloader: Any) -> Any:
         return _device_loader(dataloader, self.root_device)
+
+    def all_reduce(self, output: Any, group: Any = None, reduce_op: Any = None) -> Any:
+        """Lightning's XLA signature: ``reduce_op=None`` sums (Lightning's XLA default), "mean" averages;
+        otherwise the base strategy's ``all_reduce`` (a new result, the input unchanged)."""
+        return super().all_reduce(output, group=group, reduce_op="sum" if reduce_op is None else reduce_op)
 
     # ------------------------------------------------------------------ primitives
     def resolve_group(self, group: Any) -> Any:

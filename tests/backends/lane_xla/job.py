@@ -20,7 +20,7 @@ from fabriclite import Fabric  # noqa: E402
 #: graph holding one all-reduce. Training is not among them: a step's graph holds backward and the gradient
 #: all-reduce together, which XLA's CPU client cannot keep in step across threads (it aborts after 10 s).
 THREADED = ["rank_properties", "all_reduce_nested", "all_reduce_bitwise", "all_gather_nested",
-            "all_gather_uneven_cat", "broadcast_and_objects", "gather_reduce_barrier"]
+            "all_gather_uneven_cat", "broadcast_and_objects", "gather_reduce_barrier", "lightning_strategy_all_reduce"]
 
 
 @checks.check
@@ -38,6 +38,19 @@ def xla_placement(fabric: Fabric, out: str) -> None:
     assert isinstance(inner, MpDeviceLoader) or any(isinstance(v, MpDeviceLoader) for v in vars(loader).values())
     assert torch.equal(torch.cat([b.cpu() for b in seen]), torch.arange(8.0).view(4, 2))
     assert xm.xla_device_hw(fabric.device) == "CPU"
+
+
+@checks.check
+def lightning_strategy_all_reduce(fabric: Fabric, out: str) -> None:
+    """``strategy.all_reduce(output, group=None, reduce_op=None)``: Lightning's XLA signature, None summing."""
+    base = torch.tensor([1.0, 2.0])
+    mine = (base * (fabric.global_rank + 1)).to(fabric.device)
+    total = sum(base * (r + 1) for r in range(fabric.world_size))
+    if type(fabric.strategy).__name__ == "XLAStrategy":
+        assert torch.equal(fabric.strategy.all_reduce(output=mine).cpu(), total)  # Lightning's default: sum
+        assert torch.equal(fabric.strategy.all_reduce(mine, reduce_op="mean").cpu(), total / fabric.world_size)
+    else:  # one device: Lightning's single-device all_reduce returns its input
+        assert torch.equal(fabric.strategy.all_reduce(mine).cpu(), base)
 
 
 def _run_all(fabric: Fabric, out: str, names: list) -> dict:
