@@ -20,7 +20,8 @@ from fabriclite import Fabric  # noqa: E402
 #: graph holding one all-reduce. Training is not among them: a step's graph holds backward and the gradient
 #: all-reduce together, which XLA's CPU client cannot keep in step across threads (it aborts after 10 s).
 THREADED = ["rank_properties", "all_reduce_nested", "all_reduce_bitwise", "all_gather_nested",
-            "all_gather_uneven_cat", "broadcast_and_objects", "gather_reduce_barrier"]
+            "all_gather_uneven_cat", "broadcast_and_objects", "gather_reduce_barrier", "rank_zero_first_order",
+            "rank_zero_first_failure"]
 
 
 @checks.check
