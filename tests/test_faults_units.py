@@ -116,7 +116,7 @@ def test_ranks_that_never_arrive_are_named(store) -> None:
     with pytest.raises(rendezvous.RendezvousError, match=r"ranks \[1, 2\] of 3 never joined the rendezvous at "
                                                           r"127.0.0.1:99 within 1 s \(rank 0 waited\)"):
         rendezvous.wait_for_ranks(store, "arrived", 0, 3, timedelta(seconds=1), where="127.0.0.1:99")
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 5  # the 1 s timeout (typically 1.0 s in all), not the 30 min default
 
 
 def test_joining_where_nobody_listens_names_address_and_port() -> None:
@@ -125,7 +125,7 @@ def test_joining_where_nobody_listens_names_address_and_port() -> None:
     with pytest.raises(rendezvous.RendezvousError, match=rf"could not reach the rendezvous store at 127.0.0.1:{port} "
                                                           r"within \d+ s \(timeout 1 s\)"):
         rendezvous.join_store("127.0.0.1", port, timedelta(seconds=1))
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 5  # the 1 s timeout (typically 1.0 s in all), not the 30 min default
 
 
 def test_hosting_on_a_port_in_use_names_it() -> None:
