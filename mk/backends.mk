@@ -5,7 +5,9 @@
 #   make test-horovod | test-xla | test-mpi   run one lane (its environment must exist)
 #   make test-backends                        CI=true: build what is missing and run every lane;
 #                                             otherwise: run the lanes whose environment is cached, and for each
-#                                             other lane print one line saying how to build it.
+#                                             other lane print one line saying why it is skipped and how to build it.
+#                                             Either way it ends with a summary: each lane ran (passed / FAILED, its
+#                                             time) or was skipped and why, and "NOT a full run" when any was skipped.
 # A failing lane fails test-backends (after the other lanes have run), and so `make test`.
 
 BACKEND_ENV := bash scripts/backend_env.sh
@@ -32,20 +34,31 @@ test-mpi: venv
 	$(call LANE_PYTEST,mpi,$(PY))
 
 test-backends: venv
-	@failed=""; \
+	@failed=""; summary=""; ran=0; \
 	for lane in $(BACKEND_LANES); do \
 	  if ! $(BACKEND_ENV) $$lane --check; then \
+	    why=$$($(BACKEND_ENV) $$lane --why); \
 	    if [ "$$CI" = "true" ]; then \
 	      start=$$(date +%s); \
-	      $(MAKE) --no-print-directory env-$$lane || { failed="$$failed env-$$lane"; continue; }; \
+	      if ! $(MAKE) --no-print-directory env-$$lane; then \
+	        failed="$$failed env-$$lane"; summary="$$summary\n==   $$lane: FAILED: its environment did not build ($$why)"; \
+	        continue; \
+	      fi; \
 	      echo "== env-$$lane built in $$(( $$(date +%s) - start )) s"; \
 	    else \
-	      echo "== $$lane lane skipped: its environment is not built; 'make env-$$lane' builds it (once, cached)"; \
+	      echo "== $$lane lane skipped: $$why; 'make env-$$lane' builds it (once, cached)"; \
+	      summary="$$summary\n==   $$lane: SKIPPED: $$why ('make env-$$lane' builds it; CI=true builds it here)"; \
 	      continue; \
 	    fi; \
 	  fi; \
-	  start=$$(date +%s); \
-	  $(MAKE) --no-print-directory test-$$lane || failed="$$failed test-$$lane"; \
-	  echo "== $$lane lane took $$(( $$(date +%s) - start )) s"; \
+	  start=$$(date +%s); ran=$$((ran + 1)); \
+	  if $(MAKE) --no-print-directory test-$$lane; then result="ran, passed"; \
+	  else failed="$$failed test-$$lane"; result="ran, FAILED"; fi; \
+	  took=$$(( $$(date +%s) - start )); \
+	  echo "== $$lane lane took $$took s"; \
+	  summary="$$summary\n==   $$lane: $$result ($$took s)"; \
 	done; \
+	echo "== backend lanes ($$ran of $(words $(BACKEND_LANES)) ran):"; printf '%b\n' "$$summary" | sed '/^$$/d'; \
+	if [ "$$ran" -lt $(words $(BACKEND_LANES)) ]; then \
+	  echo "== NOT a full run: the skipped lanes' backends were not tested"; fi; \
 	if [ -n "$$failed" ]; then echo "== backend lanes failed:$$failed"; exit 1; fi

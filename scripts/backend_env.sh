@@ -3,6 +3,7 @@
 #
 #   scripts/backend_env.sh horovod|xla|mpi           build the environment if it is not cached yet
 #   scripts/backend_env.sh horovod|xla|mpi --check   exit 0 if it is ready, 1 if not (quick, no network)
+#   scripts/backend_env.sh horovod|xla|mpi --why     print why it is not ready (one line; empty when it is)
 #   scripts/backend_env.sh horovod|xla --path        print the environment's folder (whether built or not)
 #
 # Environments live under ${FABRICLITE_CACHE:-$HOME/.cache/fabriclite}/envs/<name>-<versions>; a venv is ready
@@ -22,7 +23,7 @@ XLA_VERSION=2.9.0
 XLA_TORCH=2.9.1
 PYTAG=$("$PYTHON" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
 
-usage() { echo "usage: $0 {horovod|xla|mpi} [--check|--path]" >&2; exit 2; }
+usage() { echo "usage: $0 {horovod|xla|mpi} [--check|--why|--path]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 LANE=$1; MODE=${2:-build}
 
@@ -42,8 +43,20 @@ check() {
   esac
 }
 
+why() {
+  case $LANE in
+    mpi)
+      if ! command -v mpirun >/dev/null 2>&1; then echo "mpirun not found (Open MPI is not installed)"
+      elif ! mpirun --version 2>/dev/null | grep -q 'Open MPI'; then echo "mpirun is not Open MPI's"; fi ;;
+    *)
+      if [ ! -x "$ENV/bin/python" ]; then echo "its venv is not built ($ENV)"
+      elif [ ! -f "$ENV/.ready" ]; then echo "its venv is half-built or being built ($ENV has no .ready stamp)"; fi ;;
+  esac
+}
+
 case $MODE in
   --check) check; exit $? ;;
+  --why)   why; exit 0 ;;
   --path)  echo "$ENV"; exit 0 ;;
   build) ;;
   *) usage ;;

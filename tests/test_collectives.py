@@ -52,6 +52,7 @@ def _lightning_page(fabric):
     rank = fabric.global_rank
     out = {}
     learning_rate = torch.rand(1) + rank
+    out["own_lr"] = learning_rate.item()
     out["broadcast"] = fabric.broadcast(learning_rate).item()
     out["broadcast_src"] = fabric.broadcast(torch.tensor([float(rank)]), src=3).item()
     out["all_gather"] = fabric.all_gather(torch.tensor(10 * rank)).tolist()
@@ -75,7 +76,8 @@ def pool4():
 
 def test_lightning_collectives_page_on_four_ranks(pool4):
     results = pool4.run(_lightning_page)
-    assert len({r["broadcast"] for r in results}) == 1  # rank 0's learning rate everywhere
+    assert len({r["own_lr"] for r in results}) == 4  # every rank starts with its own value ...
+    assert all(r["broadcast"] == results[0]["own_lr"] for r in results), results  # ... and ends with rank 0's
     assert all(r["broadcast_src"] == 3.0 for r in results)
     for r in results:
         assert r["all_gather"] == [0, 10, 20, 30]

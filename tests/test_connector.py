@@ -101,7 +101,9 @@ def test_node_rank_out_of_range(monkeypatch):
 def test_auto_resolution_on_cpu():
     fabric = Fabric()
     assert fabric.world_size == 1 and isinstance(fabric.strategy, SingleDeviceStrategy)
-    assert fabric.accelerator.name == ("cuda" if torch.cuda.is_available() else "cpu") or torch.cuda.is_available()
+    # "auto" is CUDA exactly when a GPU is visible (the reference: torch itself), and one device either way
+    assert fabric.accelerator.name == ("cuda" if torch.cuda.is_available() else "cpu"), fabric.accelerator
+    assert fabric.device.type == fabric.accelerator.name, fabric.device
     assert Fabric(accelerator="cpu", devices="3").world_size == 3
 
 

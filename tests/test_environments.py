@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -32,7 +33,7 @@ from fabriclite.environments import (
     first_host,
 )
 from fabriclite.environments.fabriclite_env import CHILD_VARS, child_env
-from fabriclite.environments.mpi import DEFAULT_PORT, derived_port
+from fabriclite.environments.mpi import DEFAULT_PORT
 from fabriclite.environments.slurm import parse_tasks_per_node
 
 REPO = Path(__file__).resolve().parents[1]
@@ -359,7 +360,12 @@ def test_mpi_on_one_node_uses_localhost(clean_env: pytest.MonkeyPatch) -> None:
     assert env.main_address == "127.0.0.1"
     assert env.main_port == DEFAULT_PORT
     clean_env.setenv("OMPI_MCA_ess_base_jobid", "3876519937")
-    assert env.main_port == derived_port("3876519937") and 20000 <= env.main_port < 30000
+    # the port is 20000 + crc32(job id) % 10000: the same in every rank's process (a per-process hash() would
+    # differ between ranks) and different for other jobs
+    first = env.main_port
+    assert first == 20000 + zlib.crc32(b"3876519937") % 10000
+    clean_env.setenv("OMPI_MCA_ess_base_jobid", "3876519938")
+    assert env.main_port == 20000 + zlib.crc32(b"3876519938") % 10000 != first
 
 
 def test_mpi_across_nodes_requires_master_addr(clean_env: pytest.MonkeyPatch) -> None:
@@ -466,11 +472,10 @@ def test_xla_detect_reads_only_variables(clean_env: pytest.MonkeyPatch) -> None:
     assert not env.creates_processes_externally
     clean_env.setenv("MASTER_PORT", "1234")
     assert env.main_port == 1234
-    try:
-        import torch_xla  # noqa: F401
-    except ImportError:
-        with pytest.raises(ModuleNotFoundError, match="pip install torch_xla"):
-            env.world_size()
+    # torch_xla made unimportable (None in sys.modules), whether or not it is installed here
+    clean_env.setitem(sys.modules, "torch_xla", None)
+    with pytest.raises(ModuleNotFoundError, match="pip install torch_xla"):
+        env.world_size()
 
 
 # ---------------------------------------------------------------- forcing and cross-checks

@@ -66,8 +66,17 @@ def work(fabric):
         say(rank=rank, helper=helper.pid, ready=True)
         time.sleep(10_000)
     fabric.barrier()
-    if FAULT == "late" and fabric.node_rank == 1:  # no fault: this node just ends later
-        time.sleep(2)
+    if FAULT == "late":  # no fault: node 1 ends only once node 0's rank has ended (an event, not a sleep)
+        pids = fabric.strategy.all_gather_object(os.getpid())
+        if fabric.node_rank == 1:
+            deadline = time.time() + 120
+            while time.time() < deadline:
+                try:
+                    os.kill(pids[0], 0)
+                except ProcessLookupError:
+                    say(rank=rank, node0_rank_gone=True)
+                    break
+                time.sleep(0.01)
     say(rank=rank, done=True, at=time.time())
     return rank
 
@@ -162,6 +171,13 @@ class Job:
     @property
     def groups(self) -> List[int]:
         return [r["pgid"] for r in self.records if "pgid" in r]
+
+    @property
+    def cli_ready_at(self) -> float:
+        """When the CLI's imports were done (see ``cli_job``)."""
+        times = [r["cli_ready_at"] for r in self.records if "cli_ready_at" in r]
+        assert times, f"job {self.name}: the CLI never said it was ready:\n{self.output}"
+        return times[0]
 
     @property
     def fault_at(self) -> float:
@@ -268,10 +284,19 @@ def script_job(tmp: Path, name: str, fault: str, mode: str = "script", env: Opti
     return Job(name, [sys.executable, str(script)], {"FAULT": fault, "MODE": mode, **(env or {})}, **kwargs)
 
 
+#: ``python -m fabriclite`` that first says when its imports are done (``cli_ready_at``): bounds on how fast the CLI
+#: ends are measured from there, since starting Python and importing torch take 2 s on a quiet machine and 30 s
+#: on a loaded one
+CLI_PRELUDE = ("import json, os, time\n"
+               "from fabriclite import cli\n"
+               "os.write(1, ('FAULT ' + json.dumps({'cli_ready_at': time.time()}) + '\\n').encode())\n"
+               "cli.main()\n")
+
+
 def cli_job(tmp: Path, name: str, fault: str, cli_args: Sequence[str], env: Optional[Dict[str, str]] = None,
             **kwargs) -> Job:  # type: ignore[no-untyped-def]
     job = script_job(tmp, name, fault, env={"UNDER_CLI": "1", **(env or {})}, **kwargs)
-    job.args = [sys.executable, "-m", "fabriclite", "run", *cli_args, job.args[1]]
+    job.args = [sys.executable, "-c", CLI_PRELUDE, "run", *cli_args, job.args[1]]
     return job
 
 

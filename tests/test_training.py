@@ -247,13 +247,24 @@ def _wrappers(fabric):
     fabric.backward(model.training_step(torch.full((1, 2), float(fabric.global_rank + 1))))
     out["synced_grad"] = net.layer.weight.grad.clone()
 
+    weight, bias = net.layer.weight.detach().clone(), net.layer.bias.detach().clone()
+    calls = []
+
     def closure():
         wrapped_opt.zero_grad()
         loss = model(torch.ones(1, 2)).sum()
         fabric.backward(loss)
+        calls.append(loss.item())
         return loss
 
-    out["closure_loss"] = float(wrapped_opt.step(closure))
+    returned = wrapped_opt.step(closure)
+    out["closure_calls"] = calls
+    out["closure_returned"] = returned.detach().clone() if torch.is_tensor(returned) else returned
+    # by hand: loss = sum(W @ 1 + b); its gradient is 1 for every weight and bias (same input on both ranks, so
+    # DDP's mean changes nothing); one SGD step (lr 0.1) subtracts 0.1 from each
+    out["closure_expected"] = (weight.sum(1) + bias).sum().item()
+    out["after_step"] = (net.layer.weight.detach().clone(), net.layer.bias.detach().clone())
+    out["expected_after_step"] = (weight - 0.1, bias - 0.1)
     copy_net = copy.deepcopy(net)
     with pytest.raises(ValueError, match="not parameters of the _Net"):
         fabric.setup(copy_net, torch.optim.SGD(_Net().parameters(), lr=0.1))
@@ -272,4 +283,30 @@ def test_wrappers_forward_to_the_original_under_ddp(pool2):
     assert r0["isinstance"] and r0["optimizer"] and r0["lr"] == 0.1
     torch.testing.assert_close(r0["synced_grad"], r1["synced_grad"])
     torch.testing.assert_close(r0["synced_grad"], torch.full((2, 2), 1.5))  # mean of rank inputs 1 and 2
-    assert isinstance(r0["closure_loss"], float)
+    for r in (r0, r1):  # step(closure) runs the closure once, returns its loss and steps with its gradients
+        assert len(r["closure_calls"]) == 1, r["closure_calls"]
+        assert torch.is_tensor(r["closure_returned"]), r["closure_returned"]
+        torch.testing.assert_close(r["closure_returned"].item(), r["closure_expected"])
+        torch.testing.assert_close(r["closure_calls"][0], r["closure_expected"])
+        torch.testing.assert_close(r["after_step"], r["expected_after_step"])
+
+
+# ---------------------------------------------------------------------- progress bar: rank 0 draws, others do not
+def _progress_bars(fabric):
+    import io
+    import sys
+
+    captured = io.StringIO()
+    real, sys.stderr = sys.stderr, captured  # tqdm writes to sys.stderr as it is when the bar is made
+    try:
+        items = list(fabric.progress_bar(range(3), desc=f"bar-of-rank-{fabric.global_rank}", disable=False))
+    finally:
+        sys.stderr = real
+    return items, captured.getvalue()
+
+
+def test_progress_bar_draws_on_global_rank_zero_only(pool2):
+    (items0, drawn0), (items1, drawn1) = pool2.run(_progress_bars)
+    assert items0 == items1 == [0, 1, 2]
+    assert "bar-of-rank-0" in drawn0 and "3/3" in drawn0, drawn0
+    assert drawn1 == "", drawn1

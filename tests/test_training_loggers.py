@@ -57,7 +57,6 @@ def test_csv_logger_versions_prefix_and_header_growth(tmp_path):
 
 
 def test_tensorboard_logger_records_scalars_and_hparams(tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = TensorBoardLogger(tmp_path, name="tb", version=3)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 from collections import namedtuple
 from typing import Any, Callable, Dict, List, Sequence
@@ -145,16 +146,76 @@ def gather_reduce_barrier(fabric: Any, out: str) -> None:
     gathered = fabric.gather({"r": torch.tensor([rank])}, dst=0)
     reduced = fabric.reduce(torch.tensor([float(rank)]), dst=world - 1, reduce_op="sum")
     fabric.barrier()
-    order = []
-    with fabric.rank_zero_first():
-        order.append(rank)
     if rank == 0:
         assert [int(g["r"]) for g in cpu(gathered)] == list(range(world)), gathered
     else:
         assert gathered is None, gathered
     if rank == world - 1:
         assert close(cpu(reduced), [sum(range(world))]), reduced
-    assert order == [rank]
+
+
+def _wait_for(paths: List[str], deadline_s: float, every: bool = True) -> bool:
+    """Whether every path (or, with ``every=False``, any) exists within ``deadline_s`` (polled: other processes or
+    threads create them)."""
+    end, test = time.monotonic() + deadline_s, (all if every else any)
+    while not test(os.path.exists(p) for p in paths):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+@check
+def rank_zero_first_order(fabric: Any, out: str) -> None:
+    """Rank 0's block ends before any other rank's block starts, observed through files (a shared folder), not
+    clocks. The other ranks announce they are about to enter; rank 0, inside its block, waits for every
+    announcement and then watches for half a second that no other rank entered its block (were the others not
+    held back, they would be inside by then), and only then marks its block done; each other rank checks, inside
+    its block, that the mark is there. Horovod and XLA run this without a store (the broadcast path)."""
+    world, rank = fabric.world_size, fabric.global_rank
+    path = lambda what, r: os.path.join(out, f"zero-first-{world}-{what}-{r}")  # noqa: E731
+    others = range(1, world)
+    if rank != 0:
+        open(path("waiting", rank), "w").close()
+    found: Dict[str, Any] = {}
+    with fabric.rank_zero_first():
+        if rank == 0:
+            found["announced"] = _wait_for([path("waiting", r) for r in others], 120)
+            found["entered_early"] = world > 1 and _wait_for([path("entered", r) for r in others], 0.5, every=False)
+            open(path("done", 0), "w").close()
+        else:
+            found["done_seen"] = os.path.exists(path("done", 0))
+            open(path("entered", rank), "w").close()
+    fabric.barrier()
+    if rank == 0:
+        assert found["announced"], "the other ranks never reached rank_zero_first"
+        assert not found["entered_early"], "another rank entered its block while rank 0 was in its own"
+    else:
+        assert found["done_seen"], f"rank {rank} entered its block before rank 0's block ended"
+
+
+@check
+def rank_zero_first_failure(fabric: Any, out: str) -> None:
+    """Rank 0's block raises: rank 0 gets its own error, every other rank RankZeroFailed naming it without running
+    its block, and the group still works afterwards."""
+    from fabriclite.collectives import RankZeroFailed
+
+    world, rank = fabric.world_size, fabric.global_rank
+    ran, caught = False, None
+    try:
+        with fabric.rank_zero_first():
+            if rank == 0:
+                raise ValueError("rank 0's block fails on purpose")
+            ran = True
+    except Exception as err:  # noqa: BLE001 - inspected below
+        caught = err
+    after = cpu(fabric.all_reduce(torch.tensor([1.0]), reduce_op="sum"))
+    if rank == 0:
+        assert type(caught) is ValueError and "fails on purpose" in str(caught), repr(caught)
+    else:
+        assert isinstance(caught, RankZeroFailed), repr(caught)
+        assert "ValueError: rank 0's block fails on purpose" in str(caught) and not ran, (str(caught), ran)
+    assert close(after, [float(world)]), after
 
 
 def _model() -> nn.Module:
