@@ -114,13 +114,12 @@ def _checked(world: int, rank: int, op: str, mean: bool,
         if first.dim() or n * 4 + 8 > INLINE_BYTES:  # large: the tag alone, then floor (a)
             tags.exchange_word(tag)
             return unchecked(data)
-        if n == 1:  # one float32 in one word per rank
+        if n == 1:  # one float32 in one word per rank (a mean over 2**k ranks divided first: exact)
             (key, t), = data.items()
-            values = tags.exchange_word(tag, t.item())
             if op == "all_reduce":
-                total = values.sum(dtype=np.float32)
-                return {key: torch.tensor(total / world if mean else total, dtype=torch.float32)}
-            return {key: torch.from_numpy(values.copy())}
+                values = tags.exchange_word(tag, t.item() / world if mean else t.item())
+                return {key: torch.from_numpy(np.add.reduce(values, axis=0, keepdims=True).reshape(()))}
+            return {key: torch.from_numpy(tags.exchange_word(tag, t.item()).copy())}
         buffers = rows.get(n)
         if buffers is None:  # [tag, n float32 values] as int64 words, and every rank's rows
             mine = torch.zeros(1 + (n + 1) // 2, dtype=torch.int64)
