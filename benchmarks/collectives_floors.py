@@ -118,7 +118,8 @@ def _checked(world: int, rank: int, op: str, mean: bool,
             (key, t), = data.items()
             if op == "all_reduce":
                 values = tags.exchange_word(tag, t.item() / world if mean else t.item())
-                return {key: torch.from_numpy(np.add.reduce(values, axis=0, keepdims=True).reshape(()))}
+                total = np.add(values[0:1], values[1:2]) if world == 2 else np.add.reduce(values, keepdims=True)
+                return {key: torch.from_numpy(total.reshape(()))}
             return {key: torch.from_numpy(tags.exchange_word(tag, t.item()).copy())}
         buffers = rows.get(n)
         if buffers is None:  # [tag, n float32 values] as int64 words, and every rank's rows

@@ -9,7 +9,7 @@ cannot hold. It raises before any communication; nothing is cached then.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -23,9 +23,8 @@ from fabriclite.collectives.tree import Tree
 #: wire dtypes and ops whose 0-d inline rows are reduced with numpy (the same IEEE / two's-complement
 #: operations torch runs, without a tensor per step)
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int32: np.int32, torch.int64: np.int64}
-_NUMPY_OPS: Dict[str, Callable[..., Any]] = {"sum": np.add.reduce, "mean": np.add.reduce,
-                                             "min": np.minimum.reduce, "max": np.maximum.reduce,
-                                             "prod": np.multiply.reduce}
+_NUMPY_OPS: Dict[str, Any] = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum,
+                              "prod": np.multiply}
 
 
 class Plan:
@@ -80,8 +79,11 @@ class Plan:
 
     def reduce_numpy(self, values: Any) -> Any:
         """``values`` ``(size, numel)`` reduced over the ranks: a new array (the mean not yet divided)."""
-        assert self._reduce_np is not None
-        return self._reduce_np(values, axis=0, dtype=values.dtype)  # numpy sums int32 as int64 otherwise
+        ufunc = self._reduce_np
+        assert ufunc is not None
+        if len(values) == 2:  # one binary op costs less than a reduction
+            return ufunc(values[0], values[1])
+        return ufunc.reduce(values, axis=0, dtype=values.dtype)  # numpy sums int32 as int64 otherwise
 
 
 def _may_be_direct(spec: Spec, bucket: Bucket, device: torch.device) -> bool:
