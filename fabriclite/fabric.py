@@ -356,10 +356,12 @@ class Fabric:
         self._check_launched("all_gather")
         return collectives.all_gather(self._strategy, data, group=group, sync_grads=sync_grads, cat=cat, check=check)
 
-    def all_reduce(self, data: Any, group: Optional[Any] = None, reduce_op: Any = "mean", check: bool = True) -> Any:
+    def all_reduce(self, data: Any, group: Optional[Any] = None, reduce_op: Any = "mean", check: bool = True,
+                   inplace: bool = False) -> Any:
         """``data`` reduced over the ranks, leaf by leaf (see fabriclite.collectives.all_reduce)."""
         self._check_launched("all_reduce")
-        return collectives.all_reduce(self._strategy, data, group=group, reduce_op=reduce_op, check=check)
+        return collectives.all_reduce(self._strategy, data, group=group, reduce_op=reduce_op, check=check,
+                                      inplace=inplace)
 
     def gather(self, data: Any, dst: int = 0, group: Optional[Any] = None) -> Any:
         """A list of every rank's ``data`` on rank ``dst``; None elsewhere."""
@@ -367,10 +369,11 @@ class Fabric:
         return collectives.gather(self._strategy, data, dst=dst, group=group)
 
     def reduce(self, data: Any, dst: int = 0, reduce_op: Any = "mean", group: Optional[Any] = None,
-               check: bool = True) -> Any:
+               check: bool = True, inplace: bool = False) -> Any:
         """``data`` reduced over the ranks on rank ``dst``; None elsewhere (see fabriclite.collectives.reduce)."""
         self._check_launched("reduce")
-        return collectives.reduce(self._strategy, data, dst=dst, reduce_op=reduce_op, group=group, check=check)
+        return collectives.reduce(self._strategy, data, dst=dst, reduce_op=reduce_op, group=group, check=check,
+                                  inplace=inplace)
 
     @contextmanager
     def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:

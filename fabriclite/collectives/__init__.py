@@ -14,7 +14,8 @@ collection of them (dict / OrderedDict / defaultdict / any Mapping, list, tuple,
   structure you trust): mismatches are then undefined, as with torch.distributed.
 - Dict keys meet by key: two ranks with the same keys in a different insertion order agree; each rank gets
   back its own container types and key order.
-- Inputs are never modified.
+- Inputs are never modified, unless ``inplace=True`` (all_reduce, reduce) asks for tensor leaves to be
+  reduced in the caller's tensors.
 - Errors after data has started moving (a collective timeout, a lost peer) are fatal for the process group:
   the strategy raises them and every later collective fails; end and restart the job.
 """
@@ -29,7 +30,7 @@ from fabriclite.collectives import header as _header
 from fabriclite.collectives import reduction as _reduce
 from fabriclite.collectives import sync as _sync
 from fabriclite.collectives.header import CollectiveMismatchError
-from fabriclite.collectives.state import Context, Strategy
+from fabriclite.collectives.state import Strategy, context
 from fabriclite.collectives.sync import RankZeroFailed
 
 __all__ = ["CollectiveMismatchError", "RankZeroFailed", "all_gather", "all_reduce", "barrier", "broadcast",
@@ -39,7 +40,7 @@ __all__ = ["CollectiveMismatchError", "RankZeroFailed", "all_gather", "all_reduc
 def barrier(strategy: Strategy, name: Optional[str] = None, group: Any = None, check: bool = True) -> None:
     """Return once every rank of ``group`` (default: all) has called barrier. ``name`` is informational.
     Raises CollectiveMismatchError on every rank when another rank called a different collective here."""
-    _sync.barrier(Context(strategy, group), name, check)
+    _sync.barrier(context(strategy, group), name, check)
 
 
 def broadcast(strategy: Strategy, obj: Any, src: int = 0, group: Any = None, check: bool = True) -> Any:
@@ -50,7 +51,7 @@ def broadcast(strategy: Strategy, obj: Any, src: int = 0, group: Any = None, che
     object). What the other ranks pass is ignored. ``src`` out of range is a ValueError (on every rank),
     ranks passing different ``src`` a CollectiveMismatchError.
     """
-    ctx = Context(strategy, group)
+    ctx = context(strategy, group)
     return _broadcast.broadcast(ctx, obj, src, check)
 
 
@@ -69,12 +70,12 @@ def all_gather(strategy: Strategy, data: Any, group: Any = None, sync_grads: boo
     - ``sync_grads=True``: differentiable; the backward sums every rank's output gradients into each
       rank's inputs (every rank must run the backward).
     """
-    ctx = Context(strategy, group)
+    ctx = context(strategy, group)
     return _gather.all_gather(ctx, data, sync_grads, cat, check)
 
 
 def all_reduce(strategy: Strategy, data: Any, group: Any = None, reduce_op: Any = "mean",
-               check: bool = True) -> Any:
+               check: bool = True, inplace: bool = False) -> Any:
     """``data`` reduced leaf by leaf over the ranks of ``group``; the same result on every rank.
 
     ``reduce_op``: sum, mean (avg), min, max, prod (product), band, bor, bxor in any case, or a
@@ -82,13 +83,19 @@ def all_reduce(strategy: Strategy, data: Any, group: Any = None, reduce_op: Any 
     tensors on ``fabric.device``, exact (int64 / float64 / bool / complex128); integer tensors and ints
     under mean come back as float (the default dtype for tensors, float64 for ints); bools count under
     sum (int64) and are all / any under min, prod, band / max, bor. Other leaves are returned unchanged.
-    The input is never modified; results are not differentiable. Every rank must pass the same keys,
-    dtypes and shapes (CollectiveMismatchError otherwise, on every rank); a bad ``reduce_op`` or a dtype
-    the op does not apply to (band on floats) raises CollectiveMismatchError on every rank (ValueError
-    / TypeError when one process runs alone).
+    By default the input is never modified; results are not differentiable. Every rank must pass the same
+    keys, dtypes and shapes (CollectiveMismatchError otherwise, on every rank); a bad ``reduce_op`` or a
+    dtype the op does not apply to (band on floats) raises CollectiveMismatchError on every rank
+    (ValueError / TypeError when one process runs alone).
+
+    ``inplace=True``: tensor leaves are reduced in the caller's tensors, as torch.distributed and Lightning
+    do, and the result holds those same tensor objects (no copy of a large tensor). Number and object leaves
+    behave as by default. A tensor whose result dtype differs from its own (the mean of an integer or bool
+    tensor, the sum of a bool tensor) cannot be reduced in place: ValueError (CollectiveMismatchError on
+    every rank), raised before any data moves, and no tensor is changed then.
     """
-    ctx = Context(strategy, group)
-    return _reduce.run(ctx, data, reduce_op, check)
+    ctx = context(strategy, group)
+    return _reduce.run(ctx, data, reduce_op, check, inplace=inplace)
 
 
 def gather(strategy: Strategy, data: Any, dst: int = 0, group: Any = None) -> Optional[List[Any]]:
@@ -98,16 +105,17 @@ def gather(strategy: Strategy, data: Any, dst: int = 0, group: Any = None) -> Op
     Every rank must pass the same structure (keys, dtypes, number of dims); tensor sizes may differ.
     Built on all_gather (no gather primitive is assumed), so every rank moves every rank's data.
     """
-    ctx = Context(strategy, group)
+    ctx = context(strategy, group)
     return _gather.gather(ctx, data, dst)
 
 
 def reduce(strategy: Strategy, data: Any, dst: int = 0, reduce_op: Any = "mean", group: Any = None,
-           check: bool = True) -> Any:
+           check: bool = True, inplace: bool = False) -> Any:
     """``all_reduce``'s result on global rank ``dst``; None on the other ranks (the reduction itself is
-    an all_reduce: every rank computes it)."""
-    ctx = Context(strategy, group)
-    return _reduce.run(ctx, data, reduce_op, check, kind=_header.REDUCE, dst=dst)
+    an all_reduce: every rank computes it). ``inplace=True`` as for ``all_reduce``; every rank's tensors
+    then hold the result."""
+    ctx = context(strategy, group)
+    return _reduce.run(ctx, data, reduce_op, check, kind=_header.REDUCE, dst=dst, inplace=inplace)
 
 
 @contextmanager

@@ -47,22 +47,40 @@ def pack(bucket: Bucket, leaves: Sequence[Any], device: torch.device, copy: bool
 
 
 def write_inline(buckets: Sequence[Bucket], leaves: Sequence[Any], dest: Tensor, dest_np: Any,
-                 device: torch.device) -> None:
+                 device: torch.device, divisors: Optional[Sequence[Optional[int]]] = None) -> None:
     """Pack ``buckets`` at their offsets into ``dest`` (uint8; ``dest_np``: the same memory as a numpy
-    array, or None): 0-d buckets go straight from Python values into the bytes (no tensor per call)."""
-    for bucket in buckets:
-        np_dtype = _NUMPY.get(bucket.wire) if dest_np is not None and bucket.scalar else None
-        if np_dtype is None:
-            part = as_bytes(pack(bucket, leaves, device, copy=False))
+    array, or None): 0-d buckets go straight from Python values into the bytes (no tensor per call), each
+    divided by its ``divisors`` entry when given (a mean over a power-of-two group; exact)."""
+    for k, bucket in enumerate(buckets):
+        divisor = divisors[k] if divisors is not None else None
+        region = _region(bucket, dest_np) if dest_np is not None and bucket.scalar else None
+        if region is None:
+            part = as_bytes(pack(bucket, leaves, device, copy=False, divisor=divisor))
             dest[bucket.offset:bucket.offset + part.numel()].copy_(part)
             continue
         items = bucket.take(leaves)
+        if len(items) == 1:
+            value = items[0].item() if bucket.mode == "scalars" else items[0]
+            region[0] = value / divisor if divisor is not None else value
+            continue
         values = list(map(_item, items)) if bucket.mode == "scalars" else items
-        region = dest_np[bucket.offset:bucket.offset + bucket.nbytes].view(np_dtype)
         if bucket.perm is None:
             region[:] = values
         else:
             region[bucket.inverse_np()] = values
+        if divisor is not None:
+            region /= divisor
+
+
+def _region(bucket: Bucket, dest_np: Any) -> Any:
+    """The bucket's part of the numpy payload ``dest_np``, typed (None for a dtype numpy cannot write);
+    made once per bucket and payload."""
+    cached = bucket.cache.get("inline region")
+    if cached is None or cached[0] is not dest_np:
+        np_dtype = _NUMPY.get(bucket.wire)
+        region = dest_np[bucket.offset:bucket.offset + bucket.nbytes].view(np_dtype) if np_dtype else None
+        cached = bucket.cache["inline region"] = (dest_np, region)
+    return cached[1]
 
 
 def _flat(x: Any, wire: torch.dtype, device: torch.device) -> Tensor:

@@ -1,4 +1,6 @@
-"""all_gather and gather over nested collections.
+"""all_gather and gather over nested collections, as the same pipeline as a reduction:
+
+    flatten -> plan (cached: Spec.gather_layout) -> pack (build_row) -> agree -> wire -> unpack (decode) -> rebuild
 
 Each rank lays its collection out as one byte row: the varying dims (int64 words), the fixed buckets (same
 place on every rank), the tensors whose shapes vary, the pickled non-tensor leaves. Rows that fit the
@@ -60,7 +62,8 @@ def all_gather(ctx: Context, data: Any, sync_grads: bool, cat: bool, check: bool
             if ctx.size == 1 or not check:
                 raise
             header.fail(ctx, call, err)
-        got = exchange_rows(ctx, spec, layout, row, words, call, mode)
+        lows = agree(ctx, spec, layout, row, words, call, mode)
+        got = wire(ctx, layout, row, words, lows)
         outs, shapes = decode(ctx, spec, layout, leaves, got)
     if sync_grads and torch.is_grad_enabled():
         outs = attach_gather_grads(ctx, spec, layout, leaves, outs, shapes)
@@ -86,7 +89,7 @@ def gather(ctx: Context, data: Any, dst: int) -> Optional[List[Any]]:
             if ctx.size == 1:
                 raise
             header.fail(ctx, call, err)
-        got = exchange_rows(ctx, spec, layout, row, words, call, "gather")
+        got = wire(ctx, layout, row, words, agree(ctx, spec, layout, row, words, call, "gather"))
         if ctx.strategy.global_rank != dst:
             return None
         per_rank = [_decode_var(spec, layout, got, r) for r in range(ctx.size)]
@@ -141,18 +144,27 @@ def _var_words(layout: Layout, leaves: Sequence[Any]) -> List[int]:
     return [d for s in shapes for d in s]
 
 
-def exchange_rows(ctx: Context, spec: Spec, layout: Layout, row: Row, words: Optional[header.Words],
-                  call: header.Call, mode: str) -> Gathered:
-    """Every rank's row: inline in the header (``words``; None: no header) when every row fits there, else
-    one padded primitive all_gather. Raises CollectiveMismatchError on every rank for a disagreement."""
-    if ctx.size == 1:
-        return Gathered(buffers.assemble(row.parts, align(row.length), ctx.device).view(1, -1))
+def agree(ctx: Context, spec: Spec, layout: Layout, row: Row, words: Optional[header.Words], call: header.Call,
+          mode: str) -> Optional[List[int]]:
+    """The header exchange (``words``; None: no header, no agreement): every rank's row length in
+    header.UNIT units, and every rank's row itself when it fits. Raises CollectiveMismatchError on every
+    rank for a disagreement."""
     if words is None:
-        return _gather_rows(ctx, layout, row, align(row.length))
+        return None
     call = call._replace(digest=spec.digest(mode), fixed=layout.fixed_end)
     low = None if row.inline and words.width == 1 else header.units(row.length)
     halves = header.exchange(ctx, words, header.tag(ctx, call), low)
-    lows = header.agree(ctx, words, halves, call, lambda: spec.describe(mode), _HINTS.get(mode, ""))
+    return header.agree(ctx, words, halves, call, lambda: spec.describe(mode), _HINTS.get(mode, ""))
+
+
+def wire(ctx: Context, layout: Layout, row: Row, words: Optional[header.Words],
+         lows: Optional[List[int]]) -> Gathered:
+    """Every rank's row: the header's rows when every row rode inline, else one primitive all_gather of rows
+    padded to the longest (``lows``: every rank's length, from ``agree``)."""
+    if ctx.size == 1:
+        return Gathered(buffers.assemble(row.parts, align(row.length), ctx.device).view(1, -1))
+    if words is None or lows is None:
+        return _gather_rows(ctx, layout, row, align(row.length))
     if words.width == 1 and row.inline:  # a fixed row: inline on every rank alike
         return Gathered(words.rows(), inline=True)
     longest = max(lows) * header.UNIT

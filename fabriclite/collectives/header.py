@@ -109,6 +109,8 @@ class Words:
         self.numpy = self.gathered.numpy() if cpu else None
         mine_np = self.mine.numpy() if cpu else None
         self.halves = mine_np.view("uint32") if mine_np is not None else None
+        #: every rank's last word as (low, tag) uint32 pairs, read straight from the exchanged buffer
+        self.last_halves = self.numpy[:, -1:].view("uint32") if self.numpy is not None else None
         self.payload_np = mine_np.view("uint8")[:self.capacity] if mine_np is not None else None
 
     def fits(self, nbytes: int) -> bool:
@@ -153,7 +155,11 @@ class Header:
 
     def record(self, need: int) -> None:
         """An agreed call whose rows needed ``need`` words to ride inline."""
-        self.needs.append(need if need <= self.limit else 1)
+        need = need if need <= self.limit else 1
+        needs = self.needs
+        if need == needs[-1] and len(needs) == HISTORY and needs.count(need) == HISTORY:
+            return  # the same as the last HISTORY calls: the width stays
+        needs.append(need)
         width, most = 1, max(self.needs)
         while width < most:
             width *= 2
@@ -163,10 +169,13 @@ class Header:
 def begin(ctx: Context) -> Words:
     """This group's header buffer for the next call, cleared: write this rank's inline payload into it
     (when ``fits``), then ``exchange``."""
-    key = (ctx.group, ctx.device)
-    state = ctx.state.headers.get(key)
+    state = ctx.header
     if state is None:
-        state = ctx.state.headers[key] = Header(ctx.size, ctx.index, ctx.device)
+        key = (ctx.group, ctx.device)
+        state = ctx.state.headers.get(key)
+        if state is None:
+            state = ctx.state.headers[key] = Header(ctx.size, ctx.index, ctx.device)
+        ctx.header = state
     return state.words().clear()
 
 
@@ -207,8 +216,8 @@ def exchange(ctx: Context, words: Words, tag_value: int, low: Optional[int] = No
     else:
         result = ctx.strategy.flat_all_gather_into(words.gathered, words.mine, ctx.group)
     words.result = result
-    if words.numpy is not None and result is words.gathered:
-        last = words.numpy[:, -1].tolist()
+    if words.last_halves is not None and result is words.gathered:
+        return words.last_halves.ravel().tolist()
     else:
         last = result.reshape(words.size, words.width)[:, -1].cpu().tolist()
     out: List[int] = []

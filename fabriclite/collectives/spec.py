@@ -48,6 +48,10 @@ def number_dtype(cls: type) -> Optional[torch.dtype]:
 
 def signature(leaves: Sequence[Any]) -> Hashable:
     """A hashable summary of the leaves' types and tensor metadata: equal signatures mean equal metadata."""
+    if len(leaves) == 1:
+        x = leaves[0]
+        if isinstance(x, Tensor):
+            return ("one", type(x), x.dtype, x.shape, x.device)
     types = set(map(type, leaves))
     if len(types) == 1 and leaves:
         cls = next(iter(types))

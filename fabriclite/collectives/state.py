@@ -55,6 +55,8 @@ class State:
         self.ranks: Dict[Any, List[int]] = {}
         #: id(group handle) -> (handle, group size, this rank's index): a group's membership never changes
         self.places: Dict[int, Tuple[Any, int, int]] = {}
+        #: the world group's Context, reused by every call once the process group is up
+        self.world: Optional["Context"] = None
 
 
 def state_of(strategy: Strategy) -> State:
@@ -69,7 +71,7 @@ class Context:
     """One collective call: ``group`` (the resolved handle), ``size``, ``index`` (this rank's position in
     the group), ``device`` (where buffers live: the strategy's root device)."""
 
-    __slots__ = ("strategy", "group", "size", "index", "device", "state", "single_device")
+    __slots__ = ("strategy", "group", "size", "index", "device", "state", "single_device", "header")
 
     def __init__(self, strategy: Strategy, group: Any = None) -> None:
         self.strategy = strategy
@@ -85,6 +87,8 @@ class Context:
         self.device = strategy.root_device
         #: Lightning's single-device contract (all_gather adds no dim)
         self.single_device = strategy.single_device
+        #: the group's header on this rank (header.begin makes it)
+        self.header: Any = None
 
     @property
     def ranks(self) -> List[int]:
@@ -105,3 +109,15 @@ class Context:
         except ValueError:
             where = f"0..{self.size - 1}" if ranks == list(range(self.size)) else f"the group's ranks {ranks}"
             raise ValueError(f"{what} is out of range: expected a global rank in {where}.") from None
+
+
+def context(strategy: Strategy, group: Any = None) -> Context:
+    """The Context of a call on ``group``: for the world group, one Context per strategy, made once the
+    process group is up (a group's size, this rank's place and the root device do not change then)."""
+    state = strategy.__dict__.get(_ATTR)
+    if group is None and state is not None and state.world is not None:
+        return state.world
+    ctx = Context(strategy, group)
+    if group is None and strategy.distributed_ready:
+        ctx.state.world = ctx
+    return ctx
