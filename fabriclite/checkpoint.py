@@ -97,7 +97,7 @@ def publish(strategy: Strategy, path: PathLike, write: Callable[[str], None], di
     path = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(path)
     if directory:
-        token = collectives.broadcast(strategy, secrets.token_hex(4) if strategy.is_global_zero else None)
+        token = strategy.broadcast_object(secrets.token_hex(4) if strategy.is_global_zero else None, 0)
         tmp = os.path.join(parent, f".{name}.tmp-{token}")
         error: Optional[BaseException] = None
         try:
@@ -147,20 +147,23 @@ def swap_in(tmp: str, path: str) -> None:
 
 def recover(strategy: Strategy, path: PathLike) -> None:
     """If ``path`` is missing because a save crashed between its two renames, put the previous checkpoint (renamed
-    aside) back. Global rank 0 does it; every rank returns after. No-op when ``path`` exists."""
+    aside) back. Global rank 0 looks and acts; every rank returns after (one small broadcast)."""
     path = os.path.abspath(os.fspath(path))
+    if strategy.is_global_zero:
+        _recover_here(path)
+    if strategy.world_size > 1:
+        strategy.broadcast_object(None, 0)
+
+
+def _recover_here(path: str) -> None:
     parent, name = os.path.split(path)
     if os.path.lexists(path) or not os.path.isdir(parent):
         return
-    from fabriclite import collectives
-
-    with collectives.rank_zero_first(strategy):
-        if strategy.is_global_zero and not os.path.lexists(path):
-            asides = sorted((os.path.join(parent, f) for f in os.listdir(parent) if f.startswith(f".{name}.old-")),
-                            key=os.path.getmtime)
-            if asides:
-                os.rename(asides[-1], path)
-                _fsync_dir(parent)
+    asides = sorted((os.path.join(parent, f) for f in os.listdir(parent) if f.startswith(f".{name}.old-")),
+                    key=os.path.getmtime)
+    if asides:
+        os.rename(asides[-1], path)
+        _fsync_dir(parent)
 
 
 def atomic_save(obj: Any, path: PathLike) -> None:
