@@ -9,17 +9,15 @@ the sharded parameters, gradient clipping over all shards, ``no_backward_sync`` 
 """
 from __future__ import annotations
 
-import weakref
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
-from torch import Tensor, nn
-from torch.optim import Optimizer
+from torch import nn
 
 from fabriclite.strategies import sharding
-from fabriclite.strategies.ddp import DDPStrategy, StartMethod
+from fabriclite.strategies.ddp import StartMethod
+from fabriclite.strategies.sharded import ShardedStrategy
 
 #: fully_shard's own keyword arguments, accepted as extra keyword arguments
 FULLY_SHARD_KWARGS = ("reshard_after_forward", "shard_placement_fn", "ignored_params")
@@ -31,7 +29,7 @@ FSDP1_IGNORED = ("use_orig_params", "limit_all_gathers", "forward_prefetch", "ba
 SUPPORTED = "cpu (gloo, 2 or more processes) or cuda (nccl)"
 
 
-class FSDPStrategy(DDPStrategy):
+class FSDPStrategy(ShardedStrategy):
     """Fully sharded data parallel (FSDP2) with Lightning's FSDPStrategy arguments.
 
     ``auto_wrap_policy`` / ``activation_checkpointing_policy``: a set of module classes or a callable
@@ -90,13 +88,16 @@ class FSDPStrategy(DDPStrategy):
         if device_mesh is not None and not (isinstance(device_mesh, tuple) or hasattr(device_mesh, "mesh")):
             raise TypeError(f"device_mesh={device_mesh!r}: expected a (replicate, shard) tuple or a DeviceMesh.")
         self._requested_mesh = device_mesh
-        self._device_mesh: Any = None
-        self._modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._init_sharded()
 
     # ------------------------------------------------------------------ configuration
     @property
     def state_dict_type(self) -> str:
         return self._state_dict_type
+
+    @property
+    def sharded_checkpoints(self) -> bool:  # type: ignore[override]
+        return self._state_dict_type == "sharded"
 
     def check_configuration(self, accelerator: str, world_size: int) -> None:
         """ValueError for what FSDP2 cannot run on (called by the connector, before anything starts)."""
@@ -110,13 +111,6 @@ class FSDPStrategy(DDPStrategy):
             raise ValueError(f"cpu_offload=True (strategy={self.name!r}): FSDP2 offloads parameters from an "
                              "accelerator to the CPU, and with accelerator='cpu' they are there already. Drop "
                              "cpu_offload (or strategy='fsdp_cpu_offload'), or run on cuda.")
-
-    @property
-    def device_mesh(self) -> Any:
-        """The DeviceMesh parameters are sharded over (after ``setup_environment``)."""
-        if self._device_mesh is None:
-            raise RuntimeError("The device mesh exists once the processes have started: call fabric.launch() first.")
-        return self._device_mesh
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -153,21 +147,6 @@ class FSDPStrategy(DDPStrategy):
         return options
 
     # ------------------------------------------------------------------ set-up
-    def module_to_device(self, module: nn.Module) -> nn.Module:
-        """Moved to the device unless it is on the meta device (``setup`` materialises it after sharding)."""
-        if sharding.has_meta(module) or self.cpu_offload:
-            return module
-        return module.to(self.root_device)
-
-    def module_init_context(self, empty_init: Optional[bool] = None) -> Any:
-        """With ``empty_init=True`` modules are built on the meta device (no memory); ``setup`` shards them and
-        runs each submodule's ``reset_parameters()``, so no rank ever holds the full model."""
-        if not empty_init:
-            return super().module_init_context(empty_init)
-        from fabriclite.init import module_init_context
-
-        return module_init_context(torch.device("meta"), self.precision.module_init_context(), False)
-
     def setup_module(self, module: nn.Module) -> nn.Module:
         """``module`` sharded in place (activation checkpointing applied first) and materialised when it was
         built on the meta device. TypeError for a module wrapped in FSDP1."""
@@ -181,88 +160,3 @@ class FSDPStrategy(DDPStrategy):
         sharding.materialize(module, self.root_device)
         self._modules.add(module)
         return module
-
-    def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer]
-                                    ) -> Tuple[nn.Module, List[Optimizer]]:
-        """Shard ``module``; optimizers built from it before are re-pointed at the sharded parameters (same order).
-        ValueError for an optimizer that holds state already."""
-        sharding.check_repointable(optimizers)
-        names = sharding.parameter_names(module)
-        module = self.setup_module(module)
-        sharding.repoint(optimizers, names, module)
-        return module, optimizers
-
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        return optimizer
-
-    # ------------------------------------------------------------------ training
-    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Any:
-        """FSDP2's gradient-sync switch: backward calls inside keep unsharded gradients locally; the first
-        backward outside reduces them all."""
-        from torch.distributed.fsdp import FSDPModule
-
-        if not isinstance(module, FSDPModule):
-            raise TypeError(f"no_backward_sync needs the module returned by setup(); got {type(module).__name__}.")
-        return _no_sync(module, enabled)
-
-    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float,
-                            norm_type: float = 2.0, error_if_nonfinite: bool = True) -> Tensor:
-        """The total norm over every shard (the value DDP would give), gradients scaled to ``max_norm``."""
-        self.precision.unscale_gradients(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, norm_type=norm_type,
-                                              error_if_nonfinite=error_if_nonfinite)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    # ------------------------------------------------------------------ checkpoints
-    def module_of(self, optimizer: Optimizer) -> nn.Module:
-        """The sharded module whose parameters ``optimizer`` holds; ValueError if none set up here does."""
-        own = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for module in list(self._modules):
-            if any(id(p) in own for p in module.parameters()):
-                return module
-        raise ValueError(f"{type(optimizer).__name__} holds no parameters of a module set up with strategy="
-                         f"{self.name!r}; set the model up with fabric.setup() and build the optimizer from it.")
-
-    def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
-        """The full state_dict (gathered; on rank 0 only, ``{}`` elsewhere)."""
-        from fabriclite.strategies import dcp
-
-        return dcp.full_module_state(module)
-
-    def load_module_state_dict(self, module: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> None:
-        from fabriclite.strategies import dcp
-
-        dcp.load_full_module_state(module, state_dict, strict)
-
-    def get_optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
-        """The full optimizer state keyed by parameter name (Lightning's FSDP full format), on rank 0."""
-        from fabriclite.strategies import dcp
-
-        return dcp.full_optimizer_state(self.module_of(optimizer), optimizer)
-
-    def checkpoint_writer(self, state: Dict[str, Any], filter: Optional[Dict[str, Any]]) -> Any:
-        """A sharded writer (``state_dict_type="sharded"``) or None: one file through the default path."""
-        if self._state_dict_type != "sharded":
-            return None
-        from fabriclite.strategies import dcp
-
-        return dcp.ShardedWriter.from_state(self, state, filter)
-
-    def teardown(self) -> None:
-        self._device_mesh = None
-        super().teardown()
-
-
-@contextmanager
-def _no_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
-    from torch.distributed.fsdp import FSDPModule
-
-    fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
-    for m in fsdp_modules:
-        m.set_requires_gradient_sync(not enabled, recurse=False)
-    try:
-        yield
-    finally:
-        for m in fsdp_modules:
-            m.set_requires_gradient_sync(True, recurse=False)
