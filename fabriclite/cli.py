@@ -1,4 +1,5 @@
 """``fabriclite run [options] SCRIPT [SCRIPT ARGS]``: start and supervise one node's ranks.
+``fabriclite consolidate FOLDER [--output_file F]``: a sharded checkpoint as one file ``torch.load`` reads.
 
 One call per node. The script's ``Fabric(...)`` joins the job; the flags fill what the code leaves
 unset, and a conflicting value in the code is a ValueError.
@@ -40,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--log-dir", default=None, help="also write each rank's output to LOG_DIR/rank_N.log")
     run.add_argument("script", help="the Python script to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
+    merge = sub.add_parser("consolidate", help="write a sharded checkpoint folder as one file torch.load reads")
+    merge.add_argument("checkpoint_folder", help="a sharded checkpoint (torch.distributed.checkpoint files + meta.pt)")
+    merge.add_argument("--output_file", "--output-file", default=None,
+                       help="where to write it (must not exist; default FOLDER.consolidated)")
     return parser
 
 
@@ -58,6 +63,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``fabriclite``: the job's exit code. Called without ``argv`` (the program
     itself), it exits the process with that code instead of returning. Bad input: see the error rule above."""
     args = _parser().parse_args(argv)
+    if args.command == "consolidate":
+        try:
+            folder, output = _prepare_consolidate(args)
+        except (ValueError, TypeError) as err:
+            fail(args.command, str(err))
+        _consolidate(folder, output)
+        return 0
     try:
         job = _prepare_run(args)
     except (ValueError, TypeError) as err:  # UsageError and every check of the connector
@@ -101,6 +113,34 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
         output = OutputOptions.from_env()
     command = [sys.executable, args.script, *args.script_args]
     return command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env
+
+
+def _prepare_consolidate(args: argparse.Namespace) -> Tuple[str, str]:
+    """(folder, output file) of ``fabriclite consolidate``, checked (Lightning's checks); writes nothing."""
+    folder = os.path.abspath(args.checkpoint_folder)
+    if not os.path.exists(folder):
+        raise UsageError(f"the checkpoint folder {args.checkpoint_folder!r} does not exist.")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{args.checkpoint_folder!r} must be a folder holding a sharded checkpoint's files; "
+                         "a single file is already consolidated.")
+    if not os.path.isfile(os.path.join(folder, "meta.pt")):
+        raise UsageError(f"{args.checkpoint_folder!r} is not a sharded checkpoint saved by fabriclite or Lightning "
+                         "(it has no meta.pt).")
+    output = os.path.abspath(args.output_file) if args.output_file else folder + ".consolidated"
+    if os.path.exists(output):
+        raise UsageError(f"the output {output!r} already exists; pass another --output_file or move it first.")
+    return folder, output
+
+
+def _consolidate(folder: str, output: str) -> None:
+    from fabriclite.checkpoint import atomic_save
+    from fabriclite.strategies.dcp import consolidate
+
+    try:
+        merged = consolidate(folder)
+    except FileNotFoundError as err:  # a shard missing: named, nothing written
+        fail("consolidate", str(err))
+    atomic_save(merged, output)
 
 
 def _env_int(name: str) -> int:

@@ -179,6 +179,9 @@ class Connector:
             strategy.num_nodes = self.num_nodes
         elif isinstance(strategy, SingleDeviceStrategy):
             strategy.set_device(parallel_devices[0])
+        check = getattr(strategy, "check_configuration", None)  # sharded strategies: what they cannot run on
+        if check is not None:
+            check(getattr(self.accelerator, "name", type(self.accelerator).__name__), world)
         return strategy
 
 

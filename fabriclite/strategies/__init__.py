@@ -1,7 +1,7 @@
 """Strategies: how processes cooperate. Pick one by name through ``STRATEGIES``.
 
 Horovod and XLA strategies live in modules that import their backend only when used; importing
-this package never imports horovod or torch_xla.
+this package never imports horovod or torch_xla. FSDPStrategy and ModelParallelStrategy load on first use.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ STRATEGIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "ddp_notebook": ("fabriclite.strategies.ddp:DDPStrategy", {"start_method": "fork"}),
     "ddp_find_unused_parameters_true": (
         "fabriclite.strategies.ddp:DDPStrategy", {"start_method": "popen", "find_unused_parameters": True}),
+    "fsdp": ("fabriclite.strategies.fsdp:FSDPStrategy", {}),
+    "fsdp_cpu_offload": ("fabriclite.strategies.fsdp:FSDPStrategy", {"cpu_offload": True}),
     "single_device": ("fabriclite.strategies.single_device:SingleDeviceStrategy", {}),
     "horovod": ("fabriclite.strategies.horovod:HorovodStrategy", {}),
     "xla": ("fabriclite.strategies.xla:XLAStrategy", {}),
@@ -29,7 +31,9 @@ STRATEGIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
 
 #: SingleTPUStrategy: Lightning's legacy name of SingleDeviceXLAStrategy
 _LAZY = {"HorovodStrategy": "horovod", "XLAStrategy": "xla", "SingleDeviceXLAStrategy": "single_xla",
-         "SingleTPUStrategy": "single_xla"}
+         "SingleTPUStrategy": "single_xla", "FSDPStrategy": "fsdp"}
+#: classes without a registered name (Lightning registers none for ModelParallelStrategy)
+_LAZY_CLASSES = {"ModelParallelStrategy": "fabriclite.strategies.model_parallel"}
 
 
 def strategy_class(name: str) -> Type[Strategy]:
@@ -46,6 +50,8 @@ def create_strategy(name: str, **kwargs: Any) -> Strategy:
 def __getattr__(name: str) -> Any:  # lazy: `from fabriclite.strategies import HorovodStrategy`
     if name in _LAZY:
         return strategy_class(_LAZY[name])
+    if name in _LAZY_CLASSES:
+        return getattr(importlib.import_module(_LAZY_CLASSES[name]), name)
     raise AttributeError(f"module 'fabriclite.strategies' has no attribute {name!r}")
 
 

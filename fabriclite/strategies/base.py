@@ -204,6 +204,12 @@ class Strategy(ABC):
         moves tensors to the CPU. Default: as is. Saving itself lives in ``fabriclite.checkpoint``."""
         return state
 
+    def checkpoint_writer(self, state: Dict[str, Any], filter: Optional[Dict[str, Any]]) -> Optional[Any]:
+        """For checkpoints that every rank writes (a sharded strategy's directory): an object whose
+        ``write(directory)`` runs on every rank inside ``fabriclite.checkpoint``'s atomic protocol. None (the
+        default): one file of ``checkpoint_state(...)`` written by global rank 0."""
+        return None
+
     def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
         """``module``'s full state_dict as it should be saved (sharded strategies gather it)."""
         return module.state_dict()
