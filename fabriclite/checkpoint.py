@@ -68,24 +68,27 @@ def to_saveable(strategy: Strategy, state: Mapping[str, Any], filter: Optional[F
     return out
 
 
-def save(strategy: Strategy, path: PathLike, state: Mapping[str, Any], filter: Optional[Filter] = None) -> None:
-    """Write ``state`` to ``path`` (see the module docstring). Call on every rank with the same path."""
+def save(strategy: Strategy, path: PathLike, state: Mapping[str, Any], filter: Optional[Filter] = None,
+         tmp_tag: str = "") -> None:
+    """Write ``state`` to ``path`` (see the module docstring). Call on every rank with the same path.
+    ``tmp_tag`` goes into the temporary file's name (the manifest puts the run id there)."""
     from fabriclite import collectives
 
     check_filter(state, filter)
     checkpoint = strategy.checkpoint_state(to_saveable(strategy, state, filter))
     with collectives.rank_zero_first(strategy):
         if strategy.is_global_zero:
-            atomic_save(checkpoint, path)
+            atomic_save(checkpoint, path, tmp_tag)
 
 
-def atomic_save(obj: Any, path: PathLike) -> None:
+def atomic_save(obj: Any, path: PathLike, tmp_tag: str = "") -> None:
     """``torch.save(obj)`` to ``path`` such that ``path`` holds either its previous content or all of the new
     one, whatever happens to this process; the directory is created if missing."""
     path = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(path)
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tag = f"{tmp_tag}-" if tmp_tag else ""
+    tmp = os.path.join(directory, f".{name}.tmp-{tag}{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from fabriclite import checkpoint, collectives, wrappers
+from fabriclite import checkpoint, collectives, manifest, resume, wrappers
 from fabriclite.accelerators import Accelerator
 from fabriclite.callbacks import as_callback_list, call_hook
 from fabriclite.connector import Connector
@@ -246,20 +246,40 @@ class Fabric:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: Union[str, "os.PathLike[str]"], state: Dict[str, Any],
-             filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        """Write ``state`` to ``path`` on global rank 0, atomically; every rank returns when it is complete."""
-        checkpoint.save(self._strategy, path, wrappers.unwrap(state, loaders=False), filter)
+             filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None, *, keep: Optional[int] = None) -> None:
+        """Write ``state`` to ``path`` on global rank 0, atomically; every rank returns when it is complete.
+        ``keep=K``: record it in the directory's manifest and keep this run's K newest (see fabriclite.manifest)."""
+        unwrapped = wrappers.unwrap(state, loaders=False)
+        if keep is None:
+            checkpoint.save(self._strategy, path, unwrapped, filter)
+        else:
+            manifest.save(self._strategy, path, unwrapped, filter, keep)
 
     def load(self, path: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
              strict: bool = True, *, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Restore ``state`` in place from ``path``; returns what was not restored (all of it without state)."""
         unwrapped = wrappers.unwrap(state, loaders=False)
+        resume.set_strict(unwrapped, strict)
         remainder = checkpoint.load(self._strategy, path, unwrapped, strict=strict, weights_only=weights_only)
         if state is not None:
             for key, value in unwrapped.items():
                 if not isinstance(state[key], (FabricModule, FabricOptimizer, FabricDataLoader)):
                     state[key] = value
         return remainder
+
+    def load_latest(self, directory: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
+                    strict: bool = True, *, weights_only: Optional[bool] = None) -> Optional[str]:
+        """``load`` the newest complete checkpoint ``directory``'s manifest records; its path, or None when there
+        is none (see fabriclite.manifest). The same checkpoint on every rank."""
+        path = manifest.latest(self._strategy, directory)
+        if path is not None:
+            self.load(path, state, strict=strict, weights_only=weights_only)
+        return path
+
+    def resume_state(self) -> resume.ResumeState:
+        """Put it in a saved state (``state["resume"] = fabric.resume_state()``) for an exact resume: every
+        rank's random generators are saved and each rank's own restored on load (see fabriclite.resume)."""
+        return resume.ResumeState(self._strategy)
 
     def load_raw(self, path: Union[str, "os.PathLike[str]"], obj: Union[nn.Module, Optimizer], strict: bool = True,
                  *, weights_only: Optional[bool] = None) -> None:
