@@ -16,6 +16,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from fabriclite.accelerators import ACCELERATORS
 from fabriclite.launchers.output import OutputOptions
+from fabriclite.launchers.restarts import MAX_RESTARTS_ENV, RestartPolicy, parse_max_restarts, parse_seconds
 from fabriclite.launchers.subprocess_script import run_supervised
 from fabriclite.launchers.supervisor import Layout, exit_process
 from fabriclite.rendezvous import resolve_timeout
@@ -38,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=None, help="seconds for rendezvous and each collective (default $FABRICLITE_TIMEOUT or 1800)")
     run.add_argument("--rank-prefix", action="store_true", help="prefix every output line with [rank N]")
     run.add_argument("--log-dir", default=None, help="also write each rank's output to LOG_DIR/rank_N.log")
+    run.add_argument("--max-restarts", "--max_restarts", default=None,
+                     help="after a failure, start every rank again up to N times (default $FABRICLITE_MAX_RESTARTS or 0)")
+    run.add_argument("--restart-window", "--restart_window", default=None,
+                     help="seconds after the start within which restarts may happen (default: no limit)")
     run.add_argument("script", help="the Python script to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     return parser
@@ -62,7 +67,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         job = _prepare_run(args)
     except (ValueError, TypeError) as err:  # UsageError and every check of the connector
         fail(args.command, str(err))
-    code = run_supervised(*job)
+    code = run_supervised(*job[:-1], restarts=job[-1])
     if argv is None:  # the program itself: end now, without the interpreter's slow teardown of torch
         exit_process(code)
     return code
@@ -90,6 +95,7 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
         "num_nodes": str(num_nodes) if args.num_nodes is not None else None, "precision": args.precision,
     }
     extra_env = {CLI_ENV[k]: v for k, v in flags.items() if v is not None}
+    restarts = _restart_policy(args)
     if args.timeout is not None:
         extra_env["FABRICLITE_TIMEOUT"] = str(args.timeout)
     main_address = args.main_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
@@ -99,7 +105,17 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
     if not (output.prefix or output.log_dir):
         output = OutputOptions.from_env()
     command = [sys.executable, args.script, *args.script_args]
-    return command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env
+    return command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env, restarts
+
+
+def _restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    """--max-restarts / --restart-window (else their environment variables) as a RestartPolicy."""
+    raw = args.max_restarts if args.max_restarts is not None else os.environ.get(MAX_RESTARTS_ENV) or "0"
+    where = "--max-restarts" if args.max_restarts is not None else f"${MAX_RESTARTS_ENV}"
+    policy = RestartPolicy.from_env(parse_max_restarts(raw, where))
+    if args.restart_window is not None:
+        policy.window_s = parse_seconds(args.restart_window, "--restart-window", allow_zero=False)
+    return policy
 
 
 def _env_int(name: str) -> int:

@@ -19,6 +19,7 @@ from fabriclite.connector import Connector
 from fabriclite.data import gather_eval as _gather_eval
 from fabriclite.data import setup_dataloader as _setup_dataloader
 from fabriclite.launchers.child import ERROR_FILE_ENV, record_errors
+from fabriclite.launchers.restarts import restart_count
 from fabriclite.seed import seed_everything as _seed_everything
 from fabriclite.strategies import Strategy
 from fabriclite.wrappers import FabricDataLoader, FabricModule, FabricOptimizer
@@ -30,7 +31,8 @@ class Fabric:
     Arguments follow Lightning Fabric: ``accelerator`` ("auto", "cpu", "cuda"/"gpu", "mps", "tpu"),
     ``strategy`` ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "single_device", "horovod",
     "xla", ... or an instance), ``devices`` ("auto", an int, a list of GPU indices, "0,1", -1),
-    ``num_nodes``, ``precision``, ``plugins``, ``callbacks``, ``loggers``. Bad values raise
+    ``num_nodes``, ``precision``, ``plugins``, ``callbacks``, ``loggers``; ``max_restarts`` (fabriclite's own:
+    start every rank again after a failure, up to N times; see fabriclite.launchers.restarts). Bad values raise
     ValueError/TypeError here, before any process starts.
     """
 
@@ -44,8 +46,9 @@ class Fabric:
         plugins: Optional[Any] = None,
         callbacks: Optional[Any] = None,
         loggers: Optional[Any] = None,
+        max_restarts: Optional[int] = None,
     ) -> None:
-        self._connector = Connector(accelerator, strategy, devices, num_nodes, precision, plugins)
+        self._connector = Connector(accelerator, strategy, devices, num_nodes, precision, plugins, max_restarts)
         self._strategy: Strategy = self._connector.strategy
         self._accelerator: Accelerator = self._connector.accelerator
         self._precision = self._connector.precision
@@ -92,6 +95,12 @@ class Fabric:
     def is_global_zero(self) -> bool:
         return self._strategy.is_global_zero
 
+    @property
+    def restart_count(self) -> int:
+        """The restart round this rank runs in: 0 first, then 1, 2, ... after each restart (torchrun's count
+        under torchrun)."""
+        return restart_count()
+
     # ------------------------------------------------------------------ launch
     def launch(self, function: Optional[Callable[..., Any]] = None, *args: Any, **kwargs: Any) -> Any:
         """Start or join the processes, then run ``function(self, *args, **kwargs)`` on every rank if
@@ -114,6 +123,7 @@ class Fabric:
         from fabriclite.launchers import SubprocessScriptLauncher
 
         if isinstance(launcher, SubprocessScriptLauncher):
+            launcher.max_restarts = self._connector.max_restarts
             return launcher.launch(function)  # the supervisor exits with the job's code
         if function is None:
             raise TypeError(f"strategy={self._strategy.name!r} with start method "

@@ -21,36 +21,22 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
-from fabriclite import checkpoint, collectives
+from fabriclite import checkpoint, collectives, rendezvous
 
 MANIFEST = "fabriclite-manifest.json"
 FORMAT = "fabriclite.manifest"
 VERSION = 1
-RUN_ID_ENV = "FABRICLITE_RUN_ID"
 PathLike = Union[str, "os.PathLike[str]"]
-_process_run_id = ""
 
 
 def run_id() -> str:
-    """This run's id (see the module docstring), made safe for file names."""
-    global _process_run_id
-    env = os.environ
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        slurm = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    else:
-        slurm = env.get("SLURM_JOB_ID", "")
-    raw = env.get(RUN_ID_ENV) or slurm or env.get("TORCHELASTIC_RUN_ID", "")
-    if not raw:
-        if not _process_run_id:
-            _process_run_id = f"{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
-        raw = _process_run_id
-    return re.sub(r"[^A-Za-z0-9_.]", "_", raw)
+    """This run's id (see the module docstring and ``rendezvous.run_id``)."""
+    return rendezvous.run_id()
 
 
 def check_keep(keep: Any) -> int:
