@@ -16,6 +16,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from fabriclite.accelerators import ACCELERATORS
 from fabriclite.launchers.output import OutputOptions
+from fabriclite.launchers.preemption import PreemptOptions, parse_grace
 from fabriclite.launchers.restarts import MAX_RESTARTS_ENV, RestartPolicy, parse_max_restarts, parse_seconds
 from fabriclite.launchers.subprocess_script import run_supervised
 from fabriclite.launchers.supervisor import Layout, exit_process
@@ -43,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="after a failure, start every rank again up to N times (default $FABRICLITE_MAX_RESTARTS or 0)")
     run.add_argument("--restart-window", "--restart_window", default=None,
                      help="seconds after the start within which restarts may happen (default: no limit)")
+    run.add_argument("--preempt-grace", "--preempt_grace", default=None,
+                     help="seconds ranks get to save and exit after SIGTERM/SIGUSR1 (default $FABRICLITE_PREEMPT_GRACE or 20)")
+    run.add_argument("--no-requeue", "--no_requeue", action="store_true",
+                     help="under SLURM, do not run `scontrol requeue` after SIGUSR1 (or $FABRICLITE_REQUEUE=0)")
     run.add_argument("script", help="the Python script to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     return parser
@@ -67,7 +72,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         job = _prepare_run(args)
     except (ValueError, TypeError) as err:  # UsageError and every check of the connector
         fail(args.command, str(err))
-    code = run_supervised(*job[:-1], restarts=job[-1])
+    code = run_supervised(*job[:-2], restarts=job[-2], preempt=job[-1])
     if argv is None:  # the program itself: end now, without the interpreter's slow teardown of torch
         exit_process(code)
     return code
@@ -105,7 +110,12 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
     if not (output.prefix or output.log_dir):
         output = OutputOptions.from_env()
     command = [sys.executable, args.script, *args.script_args]
-    return command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env, restarts
+    preempt = PreemptOptions.from_env()
+    if args.preempt_grace is not None:
+        preempt.grace_s = parse_grace(args.preempt_grace, "--preempt-grace")
+    preempt.requeue = preempt.requeue and not args.no_requeue
+    return (command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env, restarts,
+            preempt)
 
 
 def _restart_policy(args: argparse.Namespace) -> RestartPolicy:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from fabriclite import checkpoint, collectives, manifest, resume, wrappers
+from fabriclite import checkpoint, collectives, manifest, preemption, resume, wrappers
 from fabriclite.accelerators import Accelerator
 from fabriclite.callbacks import as_callback_list, call_hook
 from fabriclite.connector import Connector
@@ -55,6 +55,7 @@ class Fabric:
         self._callbacks = as_callback_list(callbacks)
         self._loggers = _as_list(loggers)
         self._launched = False
+        self._preempted = False
         self._bind_loggers()
 
     # ------------------------------------------------------------------ rank facts
@@ -97,8 +98,7 @@ class Fabric:
 
     @property
     def restart_count(self) -> int:
-        """The restart round this rank runs in: 0 first, then 1, 2, ... after each restart (torchrun's count
-        under torchrun)."""
+        """The restart round this rank runs in: 0 first, 1, 2, ... after each restart (torchrun's under torchrun)."""
         return restart_count()
 
     # ------------------------------------------------------------------ launch
@@ -145,6 +145,7 @@ class Fabric:
     def _setup_rank(self, register_atexit: bool) -> None:
         if ERROR_FILE_ENV in os.environ:
             record_errors()
+        preemption.install(self._strategy.global_rank)
         self._strategy.setup_environment()
         self._launched = True
         self._bind_loggers()
@@ -279,16 +280,29 @@ class Fabric:
 
     def load_latest(self, directory: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
                     strict: bool = True, *, weights_only: Optional[bool] = None) -> Optional[str]:
-        """``load`` the newest complete checkpoint ``directory``'s manifest records; its path, or None when there
-        is none (see fabriclite.manifest). The same checkpoint on every rank."""
+        """``load`` the newest checkpoint ``directory``'s manifest records: its path, or None (fabriclite.manifest)."""
         path = manifest.latest(self._strategy, directory)
         if path is not None:
             self.load(path, state, strict=strict, weights_only=weights_only)
         return path
 
+    def check_preempted(self) -> bool:
+        """Whether the job was told it will be stopped (SIGTERM / SIGUSR1 on any rank): a collective, one small
+        all_reduce, the same answer on every rank at the same call. The first True also calls the callbacks'
+        ``on_preempt(fabric)`` hook. Call it every N steps and save then (see fabriclite.preemption)."""
+        agreed = preemption.check(self._strategy)
+        if agreed and not self._preempted:
+            self._preempted = True
+            self.call("on_preempt", self)
+        return agreed
+
+    @property
+    def preempted(self) -> bool:
+        """The last answer of ``check_preempted()`` (False before the first call)."""
+        return self._preempted
+
     def resume_state(self) -> resume.ResumeState:
-        """Put it in a saved state (``state["resume"] = fabric.resume_state()``) for an exact resume: every
-        rank's random generators are saved and each rank's own restored on load (see fabriclite.resume)."""
+        """``state["resume"] = fabric.resume_state()``: every rank's RNG states saved, each restored (fabriclite.resume)."""
         return resume.ResumeState(self._strategy)
 
     def load_raw(self, path: Union[str, "os.PathLike[str]"], obj: Union[nn.Module, Optimizer], strict: bool = True,

@@ -6,39 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import pytest
-import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "restart_script.py")
-DEADLINE_S = 240
-
-
-def fabriclite_run(flags: List[str], env: Dict[str, str], script: str = SCRIPT,
-                   timeout: float = DEADLINE_S) -> subprocess.CompletedProcess:
-    full = {**os.environ, "OMP_NUM_THREADS": "1", "FABRICLITE_RESTART_BACKOFF": "0.05", **env}
-    return subprocess.run([sys.executable, "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2",
-                           *flags, script], env=full, capture_output=True, text=True, timeout=timeout)
-
-
-def weights(path: str) -> List[torch.Tensor]:
-    return torch.load(path, weights_only=True)
-
-
-def same(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> List[torch.Tensor]:
-    """The final weights of the run that never stopped."""
-    tmp = tmp_path_factory.mktemp("reference")
-    done = fabriclite_run([], {"CKPT_DIR": str(tmp / "ckpt"), "OUT": str(tmp / "w.pt")})
-    assert done.returncode == 0, done.stderr
-    return weights(str(tmp / "w.pt"))
+from restart_harness import fabriclite_run, reference, same, weights  # noqa: F401 (reference: a fixture)
 
 
 def _job(tmp, flags, **env) -> subprocess.CompletedProcess:

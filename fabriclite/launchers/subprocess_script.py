@@ -15,6 +15,7 @@ from fabriclite.launchers.base import Launcher
 from fabriclite.rendezvous import RendezvousError
 from fabriclite.launchers.child import die_with_parent, load_prctl
 from fabriclite.launchers.output import OutputOptions
+from fabriclite.launchers.preemption import PreemptOptions
 from fabriclite.launchers.restarts import RestartPolicy
 from fabriclite.launchers.supervisor import Layout, Supervisor, exit_process, print_summary
 
@@ -45,12 +46,14 @@ def script_command() -> List[str]:
 
 def run_supervised(command: Sequence[str], layout: Layout, main_address: str, main_port: int,
                    timeout: timedelta, output: Optional[OutputOptions] = None,
-                   extra_env: Optional[Dict[str, str]] = None, restarts: Optional[RestartPolicy] = None) -> int:
+                   extra_env: Optional[Dict[str, str]] = None, restarts: Optional[RestartPolicy] = None,
+                   preempt: Optional[PreemptOptions] = None) -> int:
     """Start ``command`` once per local rank under a Supervisor (each rank's environment gets
-    ``extra_env`` too; ``restarts``: see launchers.restarts); its summary goes to stderr; return the exit
+    ``extra_env`` too; ``restarts`` / ``preempt``: see launchers.restarts / .preemption, default from the
+    environment); its summary goes to stderr; return the exit
     code (1 with a clear message on stderr when the rendezvous store cannot be hosted or joined)."""
     supervisor = Supervisor(layout, main_address, main_port, timeout, output, extra_env=extra_env,
-                            restarts=restarts)
+                            restarts=restarts, preempt=preempt or PreemptOptions.from_env())
     try:
         return supervisor.run(lambda local_rank, env: PopenWorker(command, env, supervisor.output,
                                                                   layout.global_rank(local_rank)))

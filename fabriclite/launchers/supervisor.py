@@ -13,7 +13,9 @@ the job into one clear ending.
   nodes have ended (or, after a failure, read it).
 - The ranks die with the supervisor (PR_SET_PDEATHSIG), and a reaper process kills what they
   started if the supervisor is killed (see reaper.py).
-- SIGINT / SIGTERM to the supervisor stop every rank; exit code 130 / 143.
+- SIGINT to the supervisor stops every rank (exit code 130); the first SIGTERM / SIGUSR1 is a preemption
+  notice with a grace period (launchers/preemption.py), a second one stops every rank (128 + signal).
+- Restarts (launchers/restarts.py): with ``restarts.max_restarts``, a failed round is followed by a new one.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from fabriclite.launchers.child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
 from fabriclite.launchers.failures import Failure, remote_is_root, root_cause, signal_name, summarize
 from fabriclite.launchers.output import OutputOptions
 from fabriclite.launchers.linger import leave
+from fabriclite.launchers.preemption import EXIT_PREEMPTED, PreemptOptions, Preemption, stop_marker
 from fabriclite.launchers.reaper import Reaper
 from fabriclite.launchers.restarts import MAX_RESTARTS_ENV, RestartPolicy, run_rounds
 from fabriclite.launchers.stopping import exit_process, kill_group, print_summary, reap  # noqa: F401
@@ -97,6 +100,7 @@ class Supervisor:
         extra_env: Optional[Dict[str, str]] = None,
         report: bool = True,
         restarts: Optional[RestartPolicy] = None,
+        preempt: Optional[PreemptOptions] = None,
     ) -> None:
         if layout.num_nodes > 1 and not main_port:
             main_port = DEFAULT_MULTI_NODE_PORT  # every node must agree; one node alone picks a free port
@@ -123,6 +127,7 @@ class Supervisor:
         #: the restart round being played (0: the first start)
         self.round = 0
         self.run_id = rendezvous.run_id()
+        self.preemption = Preemption(preempt)
 
     # ------------------------------------------------------------------ the job's store
     def _open_store(self) -> None:
@@ -159,13 +164,17 @@ class Supervisor:
         return os.path.join(self._tmpdir, f"error-{self.round}-{local_rank}.json")
 
     @property
+    def _stop_marker(self) -> str:
+        return stop_marker(self._error_file(0))
+
+    @property
     def raw_store(self) -> Any:
         """The job's store, unprefixed (node 0 hosts it)."""
         return self._raw_store
 
     def can_restart(self) -> bool:
         """Whether this node may start a new round (not after a signal)."""
-        return self._signal is None
+        return self._signal is None and not self.preemption.active
 
     # ------------------------------------------------------------------ running
     def run(self, start: Callable[[int, Dict[str, str]], Worker]) -> int:
@@ -183,6 +192,8 @@ class Supervisor:
                 code = self._play(start, 0)
             self._stop_all()
             self.output.close()
+            code, line = self.preemption.finish(code, self.layout.node_rank)
+            self.summary = "\n".join(s for s in (self.summary, line) if s)
             if self.report:
                 print_summary(self.summary)
             self._leave(failed=code != 0)
@@ -214,6 +225,8 @@ class Supervisor:
         self.round, self.summary = number, ""
         self._store = rendezvous.prefixed(rendezvous.round_store(self._raw_store, number), rendezvous.KEY_PREFIX)
         self._workers, self._raised_at, self._finished = {}, {}, []
+        if os.path.exists(self._stop_marker):
+            os.unlink(self._stop_marker)
         for local_rank in range(self.layout.local_world_size):
             worker = self._workers[local_rank] = start(local_rank, self.child_env(local_rank))
             self._reaper.watch(worker.pid)  # each rank leads its own process group
@@ -233,6 +246,8 @@ class Supervisor:
         while running:
             if self._signal is not None:
                 return self._interrupted(self._signal)
+            if self.preemption.expired():
+                return self._preempted()
             self._poll(running, failures)
             if failures:
                 self._collect_more(running, failures)
@@ -308,6 +323,14 @@ class Supervisor:
                 "message": f"the supervisor of node {self.layout.node_rank} received {name}"})
         return 128 + signum
 
+    def _preempted(self) -> int:
+        """The grace period after a preemption signal is over: publish it (the other nodes stop too)."""
+        self.summary = self.preemption.expired_summary(self.layout.node_rank)
+        rendezvous.publish_failure(self._store, {
+            "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
+            "message": f"the supervisor of node {self.layout.node_rank} was preempted and stopped its ranks"})
+        return EXIT_PREEMPTED
+
     def _leave(self, failed: bool) -> None:
         """Across nodes, node 0 keeps the store up until the other nodes have ended (see linger.py)."""
         if self.layout.num_nodes > 1 and self._store is not None:
@@ -320,6 +343,8 @@ class Supervisor:
         ranks. Idempotent."""
         workers = {r: w for r, w in self._workers.items() if w.pid not in self._stopped}
         alive = {r: w for r, w in workers.items() if w.poll() is None}
+        if alive and self._tmpdir:
+            open(self._stop_marker, "w").close()  # ranks that record SIGTERM: this one means "end now"
         for worker in alive.values():
             kill_group(worker.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
@@ -340,9 +365,11 @@ class Supervisor:
     def _install_signal_handlers(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
 
         def handler(signum: int, frame: Any) -> None:
+            if not self._opening and self.preemption.notice(signum, self._workers):
+                return  # the first SIGTERM / SIGUSR1: a grace period (see launchers/preemption.py)
             self._signal = signum
             if self._opening:  # waiting for node 0's store: stop waiting now
                 raise _Interrupted()
