@@ -6,6 +6,8 @@ SIGUSR1's default action would kill a rank; so ``fabric.launch()`` installs hand
 none of its own) that only record the first such signal. A fabriclite supervisor that receives one forwards it
 to its ranks too, and gives them a grace period (see launchers/preemption.py).
 
+Under torchrun only SIGUSR1 is recorded: torchrun's agent stops its workers with SIGTERM.
+
 Under a fabriclite supervisor, SIGTERM also remains the supervisor's way to stop its ranks. Before it stops
 them, the supervisor creates a ``stopping`` file beside the ranks' error files: a SIGTERM then ends the rank
 at once, even while its main thread is blocked in C code (a thread woken by the signal's wakeup fd checks the
@@ -49,8 +51,9 @@ def install(global_rank: int) -> None:
     _installed = True
     marker = stop_marker(os.environ[ERROR_FILE_ENV]) if os.environ.get(SUPERVISOR_PID_ENV) and \
         os.environ.get(ERROR_FILE_ENV) else None
+    torchrun = bool(os.environ.get("TORCHELASTIC_RUN_ID"))  # its agent stops workers with SIGTERM: leave it
     for sig in SIGNALS:
-        if signal.getsignal(sig) is signal.SIG_DFL:
+        if signal.getsignal(sig) is signal.SIG_DFL and not (torchrun and sig == signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: _on_signal(signum, marker, in_handler=True))
     if marker is not None:
         _watch_wakeups(marker)

@@ -61,7 +61,7 @@ def main() -> None:
     resumed = fabric.load_latest(CKPT_DIR, state)
     step = state["step"]
     fabric.print(f"ROUND {fabric.restart_count} resumed from {os.path.basename(resumed) if resumed else None} "
-                 f"at step {step}", flush=True)
+                 f"at step {step} t={time.time()}", flush=True)
     kill_at, kill_in_save, wait_at = pair("KILL_AT"), os.environ.get("KILL_IN_SAVE"), os.environ.get("WAIT_AT")
     first_round = fabric.restart_count == 0 or os.environ.get("KILL_ALWAYS") == "1"
     if kill_in_save and fabric.global_rank == 0 and first_round:
@@ -75,6 +75,7 @@ def main() -> None:
             scheduler.step()
             step += 1
             if kill_at and first_round and step == kill_at[0] and fabric.global_rank == kill_at[1]:
+                print(f"KILLED t={time.time()}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             if wait_at and step == int(wait_at) and fabric.global_rank == 0 and fabric.restart_count == 0:
                 _wait_for_preemption()
