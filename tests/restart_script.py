@@ -44,7 +44,7 @@ def pair(name):
 
 
 def main() -> None:
-    fabric = Fabric(accelerator="cpu")
+    fabric = Fabric(accelerator="cpu", strategy=os.environ.get("STRATEGY", "auto"))
     round_env = int(os.environ.get("FABRICLITE_RESTART_COUNT", "0"))
     fail_early = pair("FAIL_EARLY")
     if fail_early and fail_early[0] == round_env and int(os.environ.get("FABRICLITE_RANK", "-1")) == fail_early[1]:
