@@ -13,13 +13,13 @@ from typing import Dict, List
 
 import pytest
 
-from restart_harness import SCRIPT, fabriclite_run, reference, same, weights  # noqa: F401 (reference: a fixture)
+from restart_harness import REFERENCE, SCRIPT, fabriclite_run, keep_reference, reference_job, same, weights
 
 DEADLINE_S = 240
 
 
 def start(flags: List[str], env: Dict[str, str], script: str = SCRIPT) -> subprocess.Popen:
-    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "FABRICLITE_RESTART_BACKOFF": "0.05", **env}
     return subprocess.Popen([sys.executable, "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2",
                              *flags, script], env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -45,8 +45,10 @@ def finish(proc: subprocess.Popen) -> tuple:
 
 
 def test_sigusr1_then_the_check_preempted_save_exit_75_and_a_second_launch_give_the_uninterrupted_weights(
-        reference, tmp_path):
+        tmp_path):
     env = {"CKPT_DIR": str(tmp_path / "ckpt"), "OUT": str(tmp_path / "w.pt"), "CHECK_PREEMPTED": "1"}
+    ref_flags, ref_env = reference_job(tmp_path / "reference")
+    ref = None if REFERENCE else start(ref_flags, ref_env)  # the uninterrupted run, alongside
     proc = start([], {**env, "WAIT_AT": "7"})
     before = signal_when(proc, "WAITING", signal.SIGUSR1)  # rank 0 waits mid-epoch, right after step 7
     code, out, err = finish(proc)
@@ -54,10 +56,13 @@ def test_sigusr1_then_the_check_preempted_save_exit_75_and_a_second_launch_give_
     assert "PREEMPTED saved at step 7" in before + out
     assert "fabriclite: preempted (SIGUSR1); exit code 75 (preempted, resumable" in err
     assert not (tmp_path / "w.pt").exists()
+    if ref is not None:
+        ref_code, ref_out, ref_err = finish(ref)
+        keep_reference(subprocess.CompletedProcess(ref.args, ref_code, ref_out, ref_err), tmp_path / "reference")
     again = fabriclite_run([], env)  # the same command again
     assert again.returncode == 0, again.stderr
     assert "ROUND 0 resumed from step-0007.ckpt at step 7" in again.stdout
-    assert same(weights(str(tmp_path / "w.pt")), reference)
+    assert same(weights(str(tmp_path / "w.pt")), REFERENCE[0])
 
 
 WAITER = r'''

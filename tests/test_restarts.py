@@ -5,20 +5,39 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from typing import Dict, Optional
 
 import pytest
 
-from restart_harness import fabriclite_run, reference, same, weights  # noqa: F401 (reference: a fixture)
+from restart_harness import (REFERENCE, fabriclite_run, keep_reference, reference_job, run_many, same,
+                             weights)
 
 
-def _job(tmp, flags, **env) -> subprocess.CompletedProcess:
-    return fabriclite_run(flags, {"CKPT_DIR": str(tmp / "ckpt"), "OUT": str(tmp / "w.pt"), **env})
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
+    """Every job of this module at once (and the uninterrupted reference run if no test made it yet): name ->
+    (CompletedProcess, its directory)."""
+    tmp = {name: tmp_path_factory.mktemp(name) for name in ("kill", "save", "used_up", "rendezvous", "reference")}
+
+    def job(name, flags, **env):
+        return flags, {"CKPT_DIR": str(tmp[name] / "ckpt"), "OUT": str(tmp[name] / "w.pt"), **env}
+
+    specs = {
+        "kill": job("kill", ["--max-restarts", "2"], KILL_AT="13:1"),
+        "save": job("save", ["--max-restarts", "1"], KILL_IN_SAVE="15"),
+        "used_up": job("used_up", ["--max-restarts", "1"], KILL_AT="3:1", KILL_ALWAYS="1", STEPS="6"),
+        "rendezvous": job("rendezvous", ["--max-restarts", "2"], KILL_AT="3:0", FAIL_EARLY="1:1", STEPS="6"),
+    }
+    if not REFERENCE:
+        specs["reference"] = reference_job(tmp["reference"])
+    done = run_many(specs)
+    if "reference" in done:
+        keep_reference(done["reference"], tmp["reference"])
+    return {name: (result, tmp[name]) for name, result in done.items()}
 
 
-def test_a_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_weights(reference, tmp_path):
-    done = _job(tmp_path, ["--max-restarts", "2"], KILL_AT="13:1")
+def test_a_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_weights(jobs):
+    done, tmp_path = jobs["kill"]
     assert done.returncode == 0, done.stderr
     err = done.stderr
     assert "rank 1 (local rank 1, node 0) was killed by SIGKILL" in err  # the failure, printed when it happened
@@ -26,24 +45,24 @@ def test_a_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_we
     assert "round 0: failed: rank 1 (local rank 1, node 0) was killed by SIGKILL" in err  # the final summary
     assert "round 1: succeeded" in err
     assert "ROUND 1 resumed from step-0010.ckpt at step 10" in done.stdout  # step 10 is mid-epoch (8 a epoch)
-    assert same(weights(str(tmp_path / "w.pt")), reference)
+    assert same(weights(str(tmp_path / "w.pt")), REFERENCE[0])
     kept = json.loads((tmp_path / "ckpt" / "fabriclite-manifest.json").read_text())["checkpoints"]
     assert [e["name"] for e in kept] == ["step-0010.ckpt", "step-0015.ckpt", "step-0020.ckpt"]
     assert len({e["run_id"] for e in kept}) == 1  # one run id across the rounds
 
 
-def test_a_rank_killed_inside_a_save_is_restarted_and_ends_with_the_uninterrupted_weights(reference, tmp_path):
-    done = _job(tmp_path, ["--max-restarts", "1"], KILL_IN_SAVE="15")
+def test_a_rank_killed_inside_a_save_is_restarted_and_ends_with_the_uninterrupted_weights(jobs):
+    done, tmp_path = jobs["save"]
     assert done.returncode == 0, done.stderr
     assert "rank 0 (local rank 0, node 0) was killed by SIGKILL" in done.stderr
     assert "ROUND 1 resumed from step-0010.ckpt at step 10" in done.stdout  # the half-written 15 never counted
-    assert same(weights(str(tmp_path / "w.pt")), reference)
+    assert same(weights(str(tmp_path / "w.pt")), REFERENCE[0])
     assert sorted(os.listdir(tmp_path / "ckpt")) == [".fabriclite-manifest.lock", "fabriclite-manifest.json",
                                                      "step-0010.ckpt", "step-0015.ckpt", "step-0020.ckpt"]
 
 
-def test_when_the_restarts_are_used_up_the_job_fails_naming_the_last_failure(tmp_path):
-    done = _job(tmp_path, ["--max-restarts", "1"], KILL_AT="3:1", KILL_ALWAYS="1", STEPS="6")
+def test_when_the_restarts_are_used_up_the_job_fails_naming_the_last_failure(jobs):
+    done, _ = jobs["used_up"]
     assert done.returncode == 137, done.stderr
     err = done.stderr
     assert "round 0: failed: rank 1" in err and "round 1: failed: rank 1" in err
@@ -51,8 +70,8 @@ def test_when_the_restarts_are_used_up_the_job_fails_naming_the_last_failure(tmp
             "(local rank 1, node 0) was killed by SIGKILL.") in err
 
 
-def test_a_failure_in_a_restarts_rendezvous_counts_as_a_round(tmp_path):
-    done = _job(tmp_path, ["--max-restarts", "2"], KILL_AT="3:0", FAIL_EARLY="1:1", STEPS="6")
+def test_a_failure_in_a_restarts_rendezvous_counts_as_a_round(jobs):
+    done, _ = jobs["rendezvous"]
     assert done.returncode == 0, done.stderr
     err = done.stderr
     assert "round 0: failed: rank 0" in err
