@@ -76,18 +76,26 @@ def to_saveable(strategy: Strategy, state: Mapping[str, Any], filter: Optional[F
     return out
 
 
-def save(strategy: Strategy, path: PathLike, state: Mapping[str, Any], filter: Optional[Filter] = None) -> None:
-    """Write ``state`` to ``path`` (see the module docstring). Call on every rank with the same path."""
+def save(strategy: Strategy, path: PathLike, state: Mapping[str, Any], filter: Optional[Filter] = None,
+         tmp_tag: str = "") -> None:
+    """Write ``state`` to ``path`` (see the module docstring). Call on every rank with the same path.
+    ``tmp_tag`` goes into the temporary name (the manifest puts the run id there)."""
     check_filter(state, filter)
     writer = strategy.checkpoint_writer(dict(state), filter)
     if writer is not None:
-        publish(strategy, path, writer.write, directory=True)
+        publish(strategy, path, writer.write, directory=True, tmp_tag=tmp_tag)
         return
     checkpoint = strategy.checkpoint_state(to_saveable(strategy, state, filter))
-    publish(strategy, path, lambda tmp: _write_file(checkpoint, tmp), directory=False)
+    publish(strategy, path, lambda tmp: _write_file(checkpoint, tmp), directory=False, tmp_tag=tmp_tag)
 
 
-def publish(strategy: Strategy, path: PathLike, write: Callable[[str], None], directory: bool) -> None:
+def _tmp_name(parent: str, name: str, tmp_tag: str, unique: str) -> str:
+    """The temporary path beside ``parent/name``: ``.<name>.tmp-[<tmp_tag>-]<unique>``."""
+    return os.path.join(parent, f".{name}.tmp-{tmp_tag + '-' if tmp_tag else ''}{unique}")
+
+
+def publish(strategy: Strategy, path: PathLike, write: Callable[[str], None], directory: bool,
+            tmp_tag: str = "") -> None:
     """The atomic protocol (module docstring): ``write(tmp)`` fills a temporary path beside ``path`` (every rank
     writes into a temporary directory; only global rank 0 writes a file), then, once every rank is done, rank 0
     swaps it in. Every rank returns when ``path`` holds the complete checkpoint, and raises if any rank's
@@ -98,7 +106,7 @@ def publish(strategy: Strategy, path: PathLike, write: Callable[[str], None], di
     parent, name = os.path.split(path)
     if directory:
         token = strategy.broadcast_object(secrets.token_hex(4) if strategy.is_global_zero else None, 0)
-        tmp = os.path.join(parent, f".{name}.tmp-{token}")
+        tmp = _tmp_name(parent, name, tmp_tag, token)
         error: Optional[BaseException] = None
         try:
             os.makedirs(parent, exist_ok=True)
@@ -117,7 +125,7 @@ def publish(strategy: Strategy, path: PathLike, write: Callable[[str], None], di
         if strategy.is_global_zero:
             if not directory:
                 os.makedirs(parent, exist_ok=True)
-                tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+                tmp = _tmp_name(parent, name, tmp_tag, f"{os.getpid()}-{secrets.token_hex(4)}")
                 try:
                     write(tmp)
                 except BaseException:
@@ -166,13 +174,13 @@ def _recover_here(path: str) -> None:
         _fsync_dir(parent)
 
 
-def atomic_save(obj: Any, path: PathLike) -> None:
+def atomic_save(obj: Any, path: PathLike, tmp_tag: str = "") -> None:
     """``torch.save(obj)`` to ``path`` such that ``path`` holds either its previous content or all of the new
     one, whatever happens to this process; the directory is created if missing. One process only: no collectives."""
     path = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(path)
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = _tmp_name(directory, name, tmp_tag, f"{os.getpid()}-{secrets.token_hex(4)}")
     try:
         _write_file(obj, tmp)
         swap_in(tmp, path)

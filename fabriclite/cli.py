@@ -17,6 +17,8 @@ from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from fabriclite.accelerators import ACCELERATORS
 from fabriclite.launchers.output import OutputOptions
+from fabriclite.launchers.preemption import PreemptOptions, parse_grace
+from fabriclite.launchers.restarts import MAX_RESTARTS_ENV, RestartPolicy, parse_max_restarts, parse_seconds
 from fabriclite.launchers.subprocess_script import run_supervised
 from fabriclite.launchers.supervisor import Layout, exit_process
 from fabriclite.rendezvous import resolve_timeout
@@ -39,6 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=None, help="seconds for rendezvous and each collective (default $FABRICLITE_TIMEOUT or 1800)")
     run.add_argument("--rank-prefix", action="store_true", help="prefix every output line with [rank N]")
     run.add_argument("--log-dir", default=None, help="also write each rank's output to LOG_DIR/rank_N.log")
+    run.add_argument("--max-restarts", "--max_restarts", default=None,
+                     help="after a failure, start every rank again up to N times (default $FABRICLITE_MAX_RESTARTS or 0)")
+    run.add_argument("--restart-window", "--restart_window", default=None,
+                     help="seconds after the start within which restarts may happen (default: no limit)")
+    run.add_argument("--preempt-grace", "--preempt_grace", default=None,
+                     help="seconds ranks get to save and exit after SIGTERM/SIGUSR1 (default $FABRICLITE_PREEMPT_GRACE or 20)")
+    run.add_argument("--no-requeue", "--no_requeue", action="store_true",
+                     help="under SLURM, do not run `scontrol requeue` after SIGUSR1 (or $FABRICLITE_REQUEUE=0)")
     run.add_argument("script", help="the Python script to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     merge = sub.add_parser("consolidate", help="write a sharded checkpoint folder as one file torch.load reads")
@@ -74,7 +84,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         job = _prepare_run(args)
     except (ValueError, TypeError) as err:  # UsageError and every check of the connector
         fail(args.command, str(err))
-    code = run_supervised(*job)
+    code = run_supervised(*job[:-2], restarts=job[-2], preempt=job[-1])
     if argv is None:  # the program itself: end now, without the interpreter's slow teardown of torch
         exit_process(code)
     return code
@@ -103,6 +113,7 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
     }
     extra_env = {CLI_ENV[k]: v for k, v in flags.items() if v is not None}
     extra_env[CLI_USED_ENV] = "1"  # the ranks' Fabric(...) joins the job in __init__
+    restarts = _restart_policy(args)
     if args.timeout is not None:
         extra_env["FABRICLITE_TIMEOUT"] = str(args.timeout)
     main_address = args.main_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
@@ -112,7 +123,22 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
     if not (output.prefix or output.log_dir):
         output = OutputOptions.from_env()
     command = [sys.executable, args.script, *args.script_args]
-    return command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env
+    preempt = PreemptOptions.from_env()
+    if args.preempt_grace is not None:
+        preempt.grace_s = parse_grace(args.preempt_grace, "--preempt-grace")
+    preempt.requeue = preempt.requeue and not args.no_requeue
+    return (command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env, restarts,
+            preempt)
+
+
+def _restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    """--max-restarts / --restart-window (else their environment variables) as a RestartPolicy."""
+    raw = args.max_restarts if args.max_restarts is not None else os.environ.get(MAX_RESTARTS_ENV) or "0"
+    where = "--max-restarts" if args.max_restarts is not None else f"${MAX_RESTARTS_ENV}"
+    policy = RestartPolicy.from_env(parse_max_restarts(raw, where))
+    if args.restart_window is not None:
+        policy.window_s = parse_seconds(args.restart_window, "--restart-window", allow_zero=False)
+    return policy
 
 
 def _prepare_consolidate(args: argparse.Namespace) -> Tuple[str, str]:

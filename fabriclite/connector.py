@@ -12,7 +12,8 @@ import sys
 from typing import Any, Iterable, List, Optional, Union
 
 from fabriclite.accelerators import ACCELERATORS, Accelerator, accelerator_class
-from fabriclite.environments import ClusterEnvironment, detect_environment
+from fabriclite.environments import ClusterEnvironment, FabricliteEnvironment, detect_environment
+from fabriclite.launchers.restarts import resolve_max_restarts
 from fabriclite.precision import Precision, normalize_precision, precision_plugin
 from fabriclite.strategies import STRATEGIES, DDPStrategy, SingleDeviceStrategy, Strategy, create_strategy
 
@@ -52,6 +53,7 @@ class Connector:
         num_nodes: Optional[int] = None,
         precision: Union[str, int, None] = None,
         plugins: Optional[Any] = None,
+        max_restarts: Optional[int] = None,
     ) -> None:
         accelerator = _from_cli("accelerator", accelerator, "auto")
         strategy = _from_cli("strategy", strategy, "auto")
@@ -90,6 +92,26 @@ class Connector:
         self.precision: Precision = precision_instance or precision_plugin(
             precision_name, parallel_devices[0].type)
         self.strategy = self._resolve_strategy(strategy, parallel_devices)
+        self.max_restarts = resolve_max_restarts(max_restarts)
+        if self.max_restarts:
+            self._check_restartable()
+
+    def _check_restartable(self) -> None:
+        """ValueError when restarts cannot take effect: no fabriclite supervisor runs (or will run) the ranks."""
+        env, strategy, n = self.cluster_environment, self.strategy, self.max_restarts
+        if env.creates_processes_externally and not isinstance(env, FabricliteEnvironment):
+            raise ValueError(f"max_restarts={n} needs fabriclite's supervisor, but the ranks were started by "
+                             f"{type(env).__name__} ({env.name}): use its own restarts (torchrun --max-restarts, "
+                             "srun --requeue / sbatch --requeue, your MPI scheduler's), or start the job with "
+                             "`fabriclite run --max-restarts N`.")
+        if getattr(strategy, "start_method", "popen") != "popen":
+            raise ValueError(f"max_restarts={n} is not supported with strategy={strategy.name!r} "
+                             f"(start method {getattr(strategy, 'start_method')!r}): the launching process is yours "
+                             "and cannot be restarted. Use strategy='ddp' (script mode) or `fabriclite run "
+                             "--max-restarts N`, or catch JobFailed from launch() and call it again.")
+        if not env.creates_processes_externally and strategy.launcher is None:
+            raise ValueError(f"max_restarts={n} needs a supervisor, but strategy={strategy.name!r} runs in this "
+                             "one process; run the script with `fabriclite run --max-restarts N`.")
 
     # ------------------------------------------------------------------ accelerator
     def _resolve_accelerator(self, accelerator: Any, strategy: Any) -> Accelerator:

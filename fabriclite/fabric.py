@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from fabriclite import checkpoint, collectives, lightning_module, run_method, wrappers
+from fabriclite import checkpoint, collectives, lightning_module, manifest, preemption, resume, run_method, wrappers
 from fabriclite.accelerators import Accelerator
 from fabriclite.callbacks import as_callback_list, call_hook
 from fabriclite.connector import Connector, cli_used
@@ -20,6 +20,7 @@ from fabriclite.data import gather_eval as _gather_eval
 from fabriclite.data import setup_dataloader as _setup_dataloader
 from fabriclite.launchers.child import ERROR_FILE_ENV, record_errors
 from fabriclite.launchers.output import line_buffer_stdio
+from fabriclite.launchers.restarts import restart_count
 from fabriclite.loggers.base import share_logger_state
 from fabriclite.seed import seed_everything as _seed_everything
 from fabriclite.strategies import Strategy
@@ -32,7 +33,8 @@ class Fabric:
     Arguments follow Lightning Fabric: ``accelerator`` ("auto", "cpu", "cuda"/"gpu", "mps", "tpu"),
     ``strategy`` ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "single_device", "horovod",
     "xla", ... or an instance), ``devices`` ("auto", an int, a list of GPU indices, "0,1", -1),
-    ``num_nodes``, ``precision``, ``plugins``, ``callbacks``, ``loggers``. Bad values raise
+    ``num_nodes``, ``precision``, ``plugins``, ``callbacks``, ``loggers``; ``max_restarts`` (fabriclite's own:
+    start every rank again after a failure, up to N times; see fabriclite.launchers.restarts). Bad values raise
     ValueError/TypeError here, before any process starts.
 
     In a script started by `fabriclite run` (or Lightning's `fabric run`: ``LT_CLI_USED=1``) the processes exist
@@ -49,8 +51,9 @@ class Fabric:
         plugins: Optional[Any] = None,
         callbacks: Optional[Any] = None,
         loggers: Optional[Any] = None,
+        max_restarts: Optional[int] = None,
     ) -> None:
-        self._connector = Connector(accelerator, strategy, devices, num_nodes, precision, plugins)
+        self._connector = Connector(accelerator, strategy, devices, num_nodes, precision, plugins, max_restarts)
         self._strategy: Strategy = self._connector.strategy
         self._accelerator: Accelerator = self._connector.accelerator
         self._precision = self._connector.precision
@@ -58,6 +61,7 @@ class Fabric:
         self._loggers = _as_list(loggers)
         self._launched = False
         self._joined_by_cli = False
+        self._preempted = False
         self._bind_loggers()
         cli = cli_used()
         run_method.prepare(self, Fabric, cli)
@@ -103,6 +107,11 @@ class Fabric:
     def is_global_zero(self) -> bool:
         return self._strategy.is_global_zero
 
+    @property
+    def restart_count(self) -> int:
+        """The restart round this rank runs in: 0 first, 1, 2, ... after each restart (torchrun's under torchrun)."""
+        return restart_count()
+
     # ------------------------------------------------------------------ launch
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Override in a subclass with the training code: ``fabric.run(...)`` then launches the processes and
@@ -131,6 +140,7 @@ class Fabric:
         from fabriclite.launchers import SubprocessScriptLauncher
 
         if isinstance(launcher, SubprocessScriptLauncher):
+            launcher.max_restarts = self._connector.max_restarts
             return launcher.launch(function)  # the supervisor exits with the job's code
         if function is None:
             raise TypeError(f"strategy={self._strategy.name!r} with start method "
@@ -154,6 +164,7 @@ class Fabric:
             record_errors()
         if self.world_size > 1:
             line_buffer_stdio()  # one write per printed line: ranks sharing a terminal or pipe never glue lines
+        preemption.install(self._strategy.global_rank)
         self._strategy.setup_environment()
         self._launched = True
         self._bind_loggers()
@@ -271,22 +282,55 @@ class Fabric:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: Union[str, "os.PathLike[str]"], state: Dict[str, Any],
-             filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        """Write ``state`` to ``path`` on global rank 0, atomically; every rank returns when it is complete."""
+             filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None, *, keep: Optional[int] = None) -> None:
+        """Write ``state`` to ``path`` on global rank 0, atomically; every rank returns when it is complete.
+        ``keep=K``: record it in the directory's manifest and keep this run's K newest (see fabriclite.manifest)."""
         self._check_launched("save")
-        checkpoint.save(self._strategy, path, wrappers.unwrap(state, loaders=False), filter)
+        unwrapped = wrappers.unwrap(state, loaders=False)
+        if keep is None:
+            checkpoint.save(self._strategy, path, unwrapped, filter)
+        else:
+            manifest.save(self._strategy, path, unwrapped, filter, keep)
 
     def load(self, path: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
              strict: bool = True, *, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Restore ``state`` in place from ``path``; returns what was not restored (all of it without state)."""
         self._check_launched("load")
         unwrapped = wrappers.unwrap(state, loaders=False)
+        resume.set_strict(unwrapped, strict)
         remainder = checkpoint.load(self._strategy, path, unwrapped, strict=strict, weights_only=weights_only)
         if state is not None:
             for key, value in unwrapped.items():
                 if not isinstance(state[key], (FabricModule, FabricOptimizer, FabricDataLoader)):
                     state[key] = value
         return remainder
+
+    def load_latest(self, directory: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
+                    strict: bool = True, *, weights_only: Optional[bool] = None) -> Optional[str]:
+        """``load`` the newest checkpoint ``directory``'s manifest records: its path, or None (fabriclite.manifest)."""
+        path = manifest.latest(self._strategy, directory)
+        if path is not None:
+            self.load(path, state, strict=strict, weights_only=weights_only)
+        return path
+
+    def check_preempted(self) -> bool:
+        """Whether the job was told it will be stopped (SIGTERM / SIGUSR1 on any rank): a collective, one small
+        all_reduce, the same answer on every rank at the same call. The first True also calls the callbacks'
+        ``on_preempt(fabric)`` hook. Call it every N steps and save then (see fabriclite.preemption)."""
+        agreed = preemption.check(self._strategy)
+        if agreed and not self._preempted:
+            self._preempted = True
+            self.call("on_preempt", self)
+        return agreed
+
+    @property
+    def preempted(self) -> bool:
+        """The last answer of ``check_preempted()`` (False before the first call)."""
+        return self._preempted
+
+    def resume_state(self) -> resume.ResumeState:
+        """``state["resume"] = fabric.resume_state()``: every rank's RNG states saved, each restored (fabriclite.resume)."""
+        return resume.ResumeState(self._strategy)
 
     def load_raw(self, path: Union[str, "os.PathLike[str]"], obj: Union[nn.Module, Optimizer], strict: bool = True,
                  *, weights_only: Optional[bool] = None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -22,6 +23,11 @@ TIMEOUT_ENV = "FABRICLITE_TIMEOUT"
 KEY_PREFIX = "fabriclite/"
 #: key (under KEY_PREFIX) where a supervisor publishes the job's first failure, for every rank and node
 FAILURE_KEY = "failure"
+#: the restart round a supervisor started a rank in (0: the first start)
+ROUND_ENV = "FABRICLITE_RESTART_COUNT"
+#: the job's run id, the same in every round (see run_id)
+RUN_ID_ENV = "FABRICLITE_RUN_ID"
+_process_run_id = ""
 
 
 class RendezvousError(RuntimeError):
@@ -32,6 +38,25 @@ class RendezvousError(RuntimeError):
 class JobFailedElsewhere(RuntimeError):
     """Raised in a rank that waits without a deadline when the job's supervisor reports a failure
     (on this node or another); the message is the supervisor's description of that failure."""
+
+
+def run_id() -> str:
+    """The job's run id, safe in file names, the same across restart rounds: ``$FABRICLITE_RUN_ID`` (a
+    supervisor sets it for its ranks), else the SLURM job (``$SLURM_ARRAY_JOB_ID_$SLURM_ARRAY_TASK_ID`` or
+    ``$SLURM_JOB_ID``: a requeued job keeps it), else torchrun's ``$TORCHELASTIC_RUN_ID``, else one made up
+    once per process."""
+    global _process_run_id
+    env = os.environ
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        slurm = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    else:
+        slurm = env.get("SLURM_JOB_ID", "")
+    raw = env.get(RUN_ID_ENV) or slurm or env.get("TORCHELASTIC_RUN_ID", "")
+    if not raw:
+        if not _process_run_id:
+            _process_run_id = f"{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
+        raw = _process_run_id
+    return re.sub(r"[^A-Za-z0-9_.]", "_", raw)
 
 
 def resolve_timeout(timeout: Union[None, float, int, timedelta]) -> timedelta:
@@ -155,6 +180,12 @@ def wait_for_ranks(store: Store, key: str, rank: int, world_size: int, timeout: 
 def missing_ranks(store: Store, key: str, world_size: int) -> List[int]:
     """The ranks of ``range(world_size)`` that have not checked in under ``key``."""
     return [r for r in range(world_size) if not store.check([f"{key}/{r}"])]
+
+
+def round_store(store: Store, round_number: int) -> Store:
+    """The part of the job's store that restart round ``round_number`` uses (round 0: the store itself, so
+    jobs without restarts keep their keys): ranks and supervisors of different rounds never share a key."""
+    return store if round_number == 0 else PrefixStore(f"round{round_number}", store)
 
 
 def prefixed(store: Store, prefix: str) -> PrefixStore:

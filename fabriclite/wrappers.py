@@ -7,8 +7,8 @@
 - ``FabricOptimizer``: steps through ``strategy.optimizer_step`` (gradient scaling etc.), supports
   ``step(closure)``; ``isinstance(wrapped, type(original))`` holds.
 - ``FabricDataLoader``: iterates the loader with the batches moved to the device and calls the sampler's
-  ``set_epoch`` once per new epoch (each ``iter()``); its epoch counter is saved / restored with
-  ``state_dict()`` so a resumed run continues the shuffling order where it stopped.
+  ``set_epoch`` once per new epoch (each ``iter()``); its position (epoch, and batch inside the epoch) is
+  saved / restored with ``state_dict()`` so a resumed run continues with the next batch (loader_position).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from fabriclite import loader_position
 from fabriclite.callbacks import call_hook
 from fabriclite.precision import Precision  # noqa: F401  (Lightning's wrappers module exposes it)
 from fabriclite.strategies.base import Strategy
@@ -181,6 +182,8 @@ class FabricDataLoader:
         self._strategy = strategy
         self._device = device
         self._num_iter_calls = 0
+        self._consumed: Optional[int] = None  # batches yielded in the running epoch
+        self._skip = 0  # batches a loaded mid-epoch state still has to skip
 
     @property
     def device(self) -> Optional[torch.device]:
@@ -197,15 +200,18 @@ class FabricDataLoader:
         return self._num_iter_calls
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next ``iter()`` start epoch ``epoch`` (shuffling order and all)."""
-        self._num_iter_calls = int(epoch)
+        """Make the next ``iter()`` start epoch ``epoch`` (shuffling order and all) at its first batch."""
+        self._num_iter_calls, self._skip = int(epoch), 0
 
     def state_dict(self) -> Dict[str, Any]:
-        """``{"epoch": n}``: saving the loader in a checkpoint lets a resumed run keep the shuffling order."""
-        return {"epoch": self._num_iter_calls}
+        """``{"epoch": e, "batch": k}``: inside an epoch, the running epoch and the batches it has yielded (a
+        resumed run continues with the next batch, in the same order); between epochs, the next one and 0."""
+        return loader_position.position(self._num_iter_calls, self._consumed, self._skip, _length(self._dataloader))
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self._num_iter_calls = int(state["epoch"])
+        """Make the next ``iter()`` resume at ``state`` (an old ``{"epoch": n}`` starts epoch n at batch 0)."""
+        where = loader_position.read_position(state)
+        self._num_iter_calls, self._skip, self._consumed = where["epoch"], where["batch"], None
 
     def __len__(self) -> int:
         return len(self._dataloader)
@@ -213,12 +219,13 @@ class FabricDataLoader:
     def __iter__(self) -> Iterator[Any]:
         set_sampler_epoch(self._dataloader, self._num_iter_calls)
         self._num_iter_calls += 1
-        if self._device is None:
-            yield from self._dataloader
-            return
+        skip, self._skip = self._skip, 0
+        self._consumed = skip
         to_device, device = self._strategy.batch_to_device, self._device
-        for batch in self._dataloader:
-            yield to_device(batch, device)
+        for batch in loader_position.iterate_from(self._dataloader, skip):
+            self._consumed = (self._consumed or 0) + 1
+            yield batch if device is None else to_device(batch, device)
+        self._consumed = None
 
     def __getattr__(self, item: str) -> Any:
         if item.startswith("__") or item == "_dataloader":
@@ -361,3 +368,10 @@ def set_sampler_epoch(dataloader: DataLoader, epoch: int) -> None:
         if obj is not None and id(obj) not in seen and callable(getattr(obj, "set_epoch", None)):
             seen.add(id(obj))
             obj.set_epoch(epoch)
+
+
+def _length(loader: DataLoader) -> Optional[int]:
+    try:
+        return len(loader)
+    except TypeError:
+        return None

@@ -34,7 +34,8 @@ def fault_jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Job]:
         script_job(tmp, "kill0", "kill0", mode="fork"),
         script_job(tmp, "sleep1", "sleep1", env={"FABRICLITE_TIMEOUT": "5"}),
         script_job(tmp, "sigint", "wait", on_ready=send(signal.SIGINT), ready_ranks=2),
-        script_job(tmp, "sigterm_spawn", "wait", mode="spawn", on_ready=send(signal.SIGTERM), ready_ranks=2),
+        script_job(tmp, "sigterm_spawn", "wait", mode="spawn", on_ready=send(signal.SIGTERM), ready_ranks=2,
+                   env={"FABRICLITE_PREEMPT_GRACE": "0"}),  # a preemption notice with no grace: stop at once
         script_job(tmp, "supervisor_killed", "wait", on_ready=send(signal.SIGKILL), ready_ranks=2),
     ]
     started = time.time()
@@ -119,11 +120,17 @@ def test_a_rank_that_sleeps_forever_ends_the_job_after_the_timeout(fault_jobs: D
 @pytest.mark.parametrize("name, sig", [("sigint", signal.SIGINT), ("sigterm_spawn", signal.SIGTERM)])
 def test_a_signal_to_the_supervisor_ends_every_rank(fault_jobs: Dict[str, Job], name: str, sig: int) -> None:
     job = fault_jobs[name]
-    assert job.returncode == 128 + sig, job.output
     took = job.ended - job.extra["signal_at"]
     assert took < END_BOUND_S, job.output
     assert "of SIGTERM and were killed" not in "".join(job.err), job.output
-    assert f"fabriclite: stopped every rank on node 0 on {signal.Signals(sig).name}" in "".join(job.err), job.output
+    if sig == signal.SIGTERM:  # a preemption notice; its grace period (0 s here) ends: 75, "preempted, resumable"
+        assert job.returncode == 75, job.output
+        assert "fabriclite: preempted (SIGTERM): the ranks of node 0 did not end within the 0 s grace period" \
+            in "".join(job.err), job.output
+    else:
+        assert job.returncode == 128 + sig, job.output
+        assert f"fabriclite: stopped every rank on node 0 on {signal.Signals(sig).name}" in "".join(job.err), \
+            job.output
     assert len([r for r in job.records if "helper" in r]) == 2, job.output  # each rank's child is gone too
     assert_nothing_left(job)
 

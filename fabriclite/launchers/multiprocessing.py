@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from fabriclite.launchers.base import Launcher
 from fabriclite.launchers.child import watch_supervisor, write_error_file
 from fabriclite.launchers.output import OutputOptions, redirect_output
+from fabriclite.launchers.preemption import EXIT_PREEMPTED, PreemptOptions
 from fabriclite.launchers.supervisor import JobFailed, Layout, Supervisor, print_summary
 
 
@@ -60,7 +61,8 @@ class MultiprocessingLauncher(Launcher):
         with tempfile.TemporaryDirectory(prefix="fabriclite-result-") as tmp:
             result_path = os.path.join(tmp, "result.pkl")
             output = self.output or OutputOptions.from_env()
-            supervisor = Supervisor(layout, env.main_address, env.main_port, self.timeout, output, report=False)
+            supervisor = Supervisor(layout, env.main_address, env.main_port, self.timeout, output, report=False,
+                                    preempt=PreemptOptions.from_env())
             sys.stdout.flush()
             sys.stderr.flush()
 
@@ -84,7 +86,7 @@ class MultiprocessingLauncher(Launcher):
                 return ProcessWorker(process)
 
             code = supervisor.run(start)
-            if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            if code in (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGUSR1, EXIT_PREEMPTED):
                 print_summary(supervisor.summary)
                 if code == 128 + signal.SIGINT:
                     raise KeyboardInterrupt(supervisor.summary)

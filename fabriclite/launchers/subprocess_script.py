@@ -15,6 +15,8 @@ from fabriclite.launchers.base import Launcher
 from fabriclite.rendezvous import RendezvousError
 from fabriclite.launchers.child import die_with_parent, load_prctl
 from fabriclite.launchers.output import OutputOptions
+from fabriclite.launchers.preemption import PreemptOptions
+from fabriclite.launchers.restarts import RestartPolicy
 from fabriclite.launchers.supervisor import Layout, Supervisor, exit_process, print_summary
 
 
@@ -44,11 +46,14 @@ def script_command() -> List[str]:
 
 def run_supervised(command: Sequence[str], layout: Layout, main_address: str, main_port: int,
                    timeout: timedelta, output: Optional[OutputOptions] = None,
-                   extra_env: Optional[Dict[str, str]] = None) -> int:
+                   extra_env: Optional[Dict[str, str]] = None, restarts: Optional[RestartPolicy] = None,
+                   preempt: Optional[PreemptOptions] = None) -> int:
     """Start ``command`` once per local rank under a Supervisor (each rank's environment gets
-    ``extra_env`` too); its summary goes to stderr; return the exit code (1 with a clear message on
-    stderr when the rendezvous store cannot be hosted or joined)."""
-    supervisor = Supervisor(layout, main_address, main_port, timeout, output, extra_env=extra_env)
+    ``extra_env`` too; ``restarts`` / ``preempt``: see launchers.restarts / .preemption, default from the
+    environment); its summary goes to stderr; return the exit
+    code (1 with a clear message on stderr when the rendezvous store cannot be hosted or joined)."""
+    supervisor = Supervisor(layout, main_address, main_port, timeout, output, extra_env=extra_env,
+                            restarts=restarts, preempt=preempt or PreemptOptions.from_env())
     try:
         return supervisor.run(lambda local_rank, env: PopenWorker(command, env, supervisor.output,
                                                                   layout.global_rank(local_rank)))
@@ -65,11 +70,14 @@ class SubprocessScriptLauncher(Launcher):
         self.num_processes = num_processes
         self.num_nodes = num_nodes
         self.timeout = timeout
+        #: restarts after a failure (Fabric(max_restarts=N) / $FABRICLITE_MAX_RESTARTS; set by Fabric.launch)
+        self.max_restarts = 0
 
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> NoReturn:
         env = self.cluster_environment
         layout = Layout(self.num_nodes, env.node_rank(), self.num_processes)
         sys.stdout.flush()
         sys.stderr.flush()
-        code = run_supervised(script_command(), layout, env.main_address, env.main_port, self.timeout)
+        code = run_supervised(script_command(), layout, env.main_address, env.main_port, self.timeout,
+                              restarts=RestartPolicy.from_env(self.max_restarts))
         exit_process(code)

@@ -13,7 +13,9 @@ the job into one clear ending.
   nodes have ended (or, after a failure, read it).
 - The ranks die with the supervisor (PR_SET_PDEATHSIG), and a reaper process kills what they
   started if the supervisor is killed (see reaper.py).
-- SIGINT / SIGTERM to the supervisor stop every rank; exit code 130 / 143.
+- SIGINT to the supervisor stops every rank (exit code 130); the first SIGTERM / SIGUSR1 is a preemption
+  notice with a grace period (launchers/preemption.py), a second one stops every rank (128 + signal).
+- Restarts (launchers/restarts.py): with ``restarts.max_restarts``, a failed round is followed by a new one.
 """
 from __future__ import annotations
 
@@ -34,7 +36,11 @@ from fabriclite.environments.fabriclite_env import child_env
 from fabriclite.launchers.child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
 from fabriclite.launchers.failures import Failure, remote_is_root, root_cause, signal_name, summarize
 from fabriclite.launchers.output import OutputOptions
+from fabriclite.launchers.linger import leave
+from fabriclite.launchers.preemption import EXIT_PREEMPTED, PreemptOptions, Preemption, stop_marker
 from fabriclite.launchers.reaper import Reaper
+from fabriclite.launchers.restarts import MAX_RESTARTS_ENV, RestartPolicy, run_rounds
+from fabriclite.launchers.stopping import exit_process, kill_group, print_summary, reap  # noqa: F401
 
 POLL_S = 0.05
 #: how long to wait for the root cause when only ranks that lost a peer have been seen failing
@@ -42,10 +48,6 @@ SECONDARY_WAIT_S = 1.0
 #: how long a rank that raised may take to exit by itself before it counts as failed anyway
 RAISED_GRACE_S = 0.25
 REMOTE_POLL_S = 0.5
-#: how long node 0 keeps the store up after a failure, for the other nodes to read it
-LINGER_S = 3.0
-#: after a success, node 0 stops waiting for a node whose supervisor gave no sign of life for this long
-HEARTBEAT_TIMEOUT_S = 30.0
 DEFAULT_MULTI_NODE_PORT = 29500
 
 
@@ -97,6 +99,8 @@ class Supervisor:
         grace_s: float = 3.0,
         extra_env: Optional[Dict[str, str]] = None,
         report: bool = True,
+        restarts: Optional[RestartPolicy] = None,
+        preempt: Optional[PreemptOptions] = None,
     ) -> None:
         if layout.num_nodes > 1 and not main_port:
             main_port = DEFAULT_MULTI_NODE_PORT  # every node must agree; one node alone picks a free port
@@ -119,6 +123,11 @@ class Supervisor:
         self._raised_at: Dict[int, float] = {}
         self._finished: List[int] = []
         self._reaper: Optional[Reaper] = None
+        self.restarts = restarts or RestartPolicy()
+        #: the restart round being played (0: the first start)
+        self.round = 0
+        self.run_id = rendezvous.run_id()
+        self.preemption = Preemption(preempt)
 
     # ------------------------------------------------------------------ the job's store
     def _open_store(self) -> None:
@@ -127,7 +136,7 @@ class Supervisor:
             self.main_port = self._raw_store.port
         else:
             self._raw_store = rendezvous.join_store(self.main_address, self.main_port, self.timeout)
-        self._store = rendezvous.prefixed(self._raw_store, rendezvous.KEY_PREFIX)
+        self._store = rendezvous.prefixed(self._raw_store, rendezvous.KEY_PREFIX)  # round 0's (see _play)
 
     def child_env(self, local_rank: int) -> Dict[str, str]:
         """The variables a rank started here runs with (read by FabricliteEnvironment), plus the
@@ -140,6 +149,8 @@ class Supervisor:
             "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(layout.world_size),
             "LOCAL_WORLD_SIZE": str(layout.local_world_size), "NODE_RANK": str(layout.node_rank),
             ERROR_FILE_ENV: self._error_file(local_rank), SUPERVISOR_PID_ENV: str(os.getpid()),
+            rendezvous.ROUND_ENV: str(self.round), rendezvous.RUN_ID_ENV: self.run_id,
+            MAX_RESTARTS_ENV: str(self.restarts.max_restarts),
         })
         return {**self.extra_env, **values}
 
@@ -150,7 +161,20 @@ class Supervisor:
         return [] if fd is None else [fd]
 
     def _error_file(self, local_rank: int) -> str:
-        return os.path.join(self._tmpdir, f"error-{local_rank}.json")
+        return os.path.join(self._tmpdir, f"error-{self.round}-{local_rank}.json")
+
+    @property
+    def _stop_marker(self) -> str:
+        return stop_marker(self._error_file(0))
+
+    @property
+    def raw_store(self) -> Any:
+        """The job's store, unprefixed (node 0 hosts it)."""
+        return self._raw_store
+
+    def can_restart(self) -> bool:
+        """Whether this node may start a new round (not after a signal)."""
+        return self._signal is None and not self.preemption.active
 
     # ------------------------------------------------------------------ running
     def run(self, start: Callable[[int, Dict[str, str]], Worker]) -> int:
@@ -161,9 +185,15 @@ class Supervisor:
         self._tmpdir = tempfile.mkdtemp(prefix="fabriclite-")
         restore = self._install_signal_handlers()
         try:
-            code = self._open_and_watch(start)
+            code = self._open()
+            if code is None and self.restarts.max_restarts:
+                code = run_rounds(self, lambda number: self._play(start, number), self._report)
+            elif code is None:
+                code = self._play(start, 0)
             self._stop_all()
             self.output.close()
+            code, line = self.preemption.finish(code, self.layout.node_rank)
+            self.summary = "\n".join(s for s in (self.summary, line) if s)
             if self.report:
                 print_summary(self.summary)
             self._leave(failed=code != 0)
@@ -176,7 +206,8 @@ class Supervisor:
             self.output.close()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
-    def _open_and_watch(self, start: Callable[[int, Dict[str, str]], Worker]) -> int:
+    def _open(self) -> Optional[int]:
+        """Open the job's store; None, or the exit code of a signal that arrived meanwhile."""
         self._reaper = Reaper()
         self._opening = True
         try:
@@ -185,10 +216,28 @@ class Supervisor:
             return self._interrupted(self._signal or signal.SIGINT)
         finally:
             self._opening = False
+        return None
+
+    def _play(self, start: Callable[[int, Dict[str, str]], Worker], number: int) -> int:
+        """Round ``number``: start this node's ranks in that round's part of the store, watch them, stop
+        them; the round's exit code (its summary in ``summary``)."""
+        assert self._reaper is not None
+        self.round, self.summary = number, ""
+        self._store = rendezvous.prefixed(rendezvous.round_store(self._raw_store, number), rendezvous.KEY_PREFIX)
+        self._workers, self._raised_at, self._finished = {}, {}, []
+        if os.path.exists(self._stop_marker):
+            os.unlink(self._stop_marker)
         for local_rank in range(self.layout.local_world_size):
             worker = self._workers[local_rank] = start(local_rank, self.child_env(local_rank))
             self._reaper.watch(worker.pid)  # each rank leads its own process group
-        return self._watch()
+        code = self._watch()
+        self._stop_all()
+        self.output.close()
+        return code
+
+    def _report(self, text: str) -> None:
+        if self.report:
+            print_summary(text)
 
     def _watch(self) -> int:
         running = dict(self._workers)
@@ -197,6 +246,8 @@ class Supervisor:
         while running:
             if self._signal is not None:
                 return self._interrupted(self._signal)
+            if self.preemption.expired():
+                return self._preempted()
             self._poll(running, failures)
             if failures:
                 self._collect_more(running, failures)
@@ -272,36 +323,18 @@ class Supervisor:
                 "message": f"the supervisor of node {self.layout.node_rank} received {name}"})
         return 128 + signum
 
+    def _preempted(self) -> int:
+        """The grace period after a preemption signal is over: publish it (the other nodes stop too)."""
+        self.summary = self.preemption.expired_summary(self.layout.node_rank)
+        rendezvous.publish_failure(self._store, {
+            "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
+            "message": f"the supervisor of node {self.layout.node_rank} was preempted and stopped its ranks"})
+        return EXIT_PREEMPTED
+
     def _leave(self, failed: bool) -> None:
-        """Across nodes, node 0 keeps the store (and so the failure record) up until every node has
-        ended: after a success for as long as the other supervisors are alive (their heartbeat moves
-        at least every HEARTBEAT_TIMEOUT_S), after a failure for at most LINGER_S."""
-        if self.layout.num_nodes == 1 or self._store is None:
-            return
-        try:
-            self._store.set(f"ended/{self.layout.node_rank}", "1")
-            if self.layout.node_rank != 0:
-                return
-            waiting = {n: (-1, time.monotonic()) for n in range(1, self.layout.num_nodes)}  # beat, when it moved
-            deadline = time.monotonic() + LINGER_S if failed else None
-            while waiting:
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    return
-                if deadline is None and (self._signal is not None or self._store.check([rendezvous.FAILURE_KEY])):
-                    deadline = now + LINGER_S
-                for n, (beat, moved) in list(waiting.items()):
-                    if self._store.check([f"ended/{n}"]):
-                        del waiting[n]
-                        continue
-                    current = self._store.add(f"beat/{n}", 0)
-                    if current != beat:
-                        waiting[n] = (current, now)
-                    elif now - moved > HEARTBEAT_TIMEOUT_S:
-                        del waiting[n]  # that supervisor is gone without a word: stop waiting for it
-                time.sleep(POLL_S)
-        except RuntimeError:
-            pass
+        """Across nodes, node 0 keeps the store up until the other nodes have ended (see linger.py)."""
+        if self.layout.num_nodes > 1 and self._store is not None:
+            leave(self._store, self.layout.node_rank, self.layout.num_nodes, failed, lambda: self._signal is not None)
 
     # ------------------------------------------------------------------ stopping
     def _stop_all(self) -> None:
@@ -310,8 +343,10 @@ class Supervisor:
         ranks. Idempotent."""
         workers = {r: w for r, w in self._workers.items() if w.pid not in self._stopped}
         alive = {r: w for r, w in workers.items() if w.poll() is None}
+        if alive and self._tmpdir:
+            open(self._stop_marker, "w").close()  # ranks that record SIGTERM: this one means "end now"
         for worker in alive.values():
-            _kill_group(worker.pid, signal.SIGTERM)
+            kill_group(worker.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         while any(w.poll() is None for w in alive.values()) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -320,9 +355,9 @@ class Supervisor:
             self.summary += (f"\n  ranks {stubborn} did not end within {self.grace_s:g} s of SIGTERM and were "
                              f"killed (SIGKILL).")
         for worker in workers.values():  # anything left, grandchildren included
-            _kill_group(worker.pid, signal.SIGKILL)
+            kill_group(worker.pid, signal.SIGKILL)
         for worker in workers.values():
-            _reap(worker)
+            reap(worker)
             self._stopped.add(worker.pid)
             if self._reaper is not None:
                 self._reaper.forget(worker.pid)
@@ -330,9 +365,11 @@ class Supervisor:
     def _install_signal_handlers(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
 
         def handler(signum: int, frame: Any) -> None:
+            if not self._opening and self.preemption.notice(signum, self._workers):
+                return  # the first SIGTERM / SIGUSR1: a grace period (see launchers/preemption.py)
             self._signal = signum
             if self._opening:  # waiting for node 0's store: stop waiting now
                 raise _Interrupted()
@@ -349,39 +386,3 @@ class Supervisor:
 
 class _Interrupted(Exception):
     """A signal arrived while the supervisor waited for the job's store."""
-
-
-def _kill_group(pid: int, sig: int) -> None:
-    """Signal the rank's process group (the rank and what it started); the rank alone if it has not
-    made its own group yet."""
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _reap(worker: Worker) -> None:
-    deadline = time.monotonic() + 5
-    while worker.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-def exit_process(code: int) -> NoReturn:
-    """End this (supervisor) process with ``code`` now: run the atexit handlers and flush stdio, but
-    skip the interpreter's teardown of torch's modules (a second or more on a busy machine)."""
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, ValueError, OSError):
-            pass
-    os._exit(code)
-
-
-def print_summary(summary: str) -> None:
-    """Print the supervisor's summary (if any) to stderr."""
-    if summary:
-        print(summary, file=sys.stderr, flush=True)

@@ -134,6 +134,7 @@ class DDPStrategy(ParallelStrategy):
         address, port = env.main_address, env.main_port
         if getattr(env, "uses_agent_store", False) or _torchelastic_agent_store():
             store: dist.Store = rendezvous.join_store(address, port, self.timeout)
+            store = rendezvous.round_store(store, int(os.environ.get(rendezvous.ROUND_ENV, "0") or 0))
             if _torchelastic_agent_store():
                 store = dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
         elif rank == 0:

@@ -1,0 +1,111 @@
+"""Exact resume: every rank's random number generators, saved in a checkpoint and restored rank by rank.
+
+``state["resume"] = fabric.resume_state()`` puts a :class:`ResumeState` into the state dict. Saving it is a
+collective (one ``all_gather_object`` of a few KiB per rank): rank 0's file then holds, for every rank, the
+states of torch's CPU generator, every CUDA device's generator (when CUDA is initialised), numpy's global
+generator (when numpy is installed) and Python's ``random``. Loading restores each rank's own states. The
+stored values are tensors, ints and tuples only, so the file loads with ``weights_only=True``.
+
+Together with the loader's position (``FabricDataLoader.state_dict``) this makes a resumed run draw the same
+random numbers (dropout, augmentations in the main process, shuffles) as one that never stopped.
+"""
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+
+#: what ``ResumeState.state_dict()`` holds, to recognise it (and its version) on load
+FORMAT = "fabriclite.resume"
+VERSION = 1
+
+
+def capture_rng() -> Dict[str, Any]:
+    """This process's generator states: ``torch`` (ByteTensor), ``cuda`` (a list, one per device, only when
+    CUDA is initialised), ``numpy`` (when numpy is importable) and ``python``."""
+    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = _numpy()
+    if numpy is not None:
+        name, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        state["numpy"] = (str(name), torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
+    return state
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Set this process's generators to ``state`` (from :func:`capture_rng`); parts absent are left as they
+    are (a file written where numpy or CUDA was not in use)."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    numpy = _numpy()
+    if "numpy" in state and numpy is not None:
+        name, keys, pos, has_gauss, gauss_np = state["numpy"]
+        numpy.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss_np))
+
+
+class ResumeState:
+    """The random state of every rank, for a checkpoint (see the module docstring).
+
+    ``state_dict()`` is a collective: every rank must save the same state dict. ``load_state_dict(d)``
+    restores this rank's generators; a checkpoint written by a different number of ranks raises ValueError,
+    unless ``strict`` is False (then the generators are left as they are, with a warning).
+    ``fabric.load(..., strict=...)`` sets ``strict``."""
+
+    def __init__(self, strategy: Any) -> None:
+        self._strategy = strategy
+        self.strict = True
+        #: the states loaded last (every rank's), None before a load
+        self.loaded: Optional[List[Dict[str, Any]]] = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Every rank's generator states, in rank order (gathered: call on every rank)."""
+        mine = capture_rng()
+        strategy = self._strategy
+        ranks = [mine] if strategy.world_size == 1 else list(strategy.all_gather_object(mine))
+        return {"format": FORMAT, "version": VERSION, "world_size": len(ranks), "ranks": ranks}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore this rank's generators from ``state`` (see the class docstring for world-size mismatches)."""
+        if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+            raise ValueError(f"the checkpoint's resume entry is not a fabriclite resume state (expected a dict "
+                             f"with format={FORMAT!r}); it was not written by fabric.resume_state().")
+        world, rank = self._strategy.world_size, self._strategy.global_rank
+        saved = int(state["world_size"])
+        if saved != world:
+            message = (f"the checkpoint's random states were saved by {saved} ranks, but this job has {world}; "
+                       f"exact resume needs the same world size.")
+            if self.strict:
+                raise ValueError(f"{message} Pass strict=False to load the rest and keep this run's random states.")
+            warnings.warn(f"{message} The random states were not restored (strict=False).", stacklevel=2)
+            return
+        self.loaded = list(state["ranks"])
+        restore_rng(self.loaded[rank])
+
+
+def set_strict(state: Optional[Mapping[str, Any]], strict: bool) -> None:
+    """Give every ResumeState in ``state`` (the dict passed to load) the load's ``strict``."""
+    for value in (state or {}).values():
+        if isinstance(value, ResumeState):
+            value.strict = strict
+
+
+def _python_state() -> tuple:
+    version, internal, gauss = random.getstate()
+    return version, tuple(internal), gauss
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+__all__ = ["ResumeState", "capture_rng", "restore_rng", "set_strict"]

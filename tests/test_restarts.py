@@ -1,0 +1,119 @@
+"""Restarts under `fabriclite run --max-restarts N`, with real processes on 2 ranks: a rank killed mid-epoch or
+inside a save is restarted and the run ends with the weights of an uninterrupted run, bit for bit; restarts
+used up fail naming the last failure; a failure in a restart's rendezvous counts as a round; bad flags."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Optional
+
+import pytest
+
+from restart_harness import (REFERENCE, fabriclite_run, keep_reference, reference_job, run_many, same,
+                             weights)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
+    """Every job of this module at once (and the uninterrupted reference run if no test made it yet): name ->
+    (CompletedProcess, its directory)."""
+    tmp = {name: tmp_path_factory.mktemp(name) for name in ("kill", "save", "used_up", "rendezvous", "reference")}
+
+    def job(name, flags, **env):
+        return flags, {"CKPT_DIR": str(tmp[name] / "ckpt"), "OUT": str(tmp[name] / "w.pt"), **env}
+
+    specs = {
+        "kill": job("kill", ["--max-restarts", "2"], KILL_AT="13:1"),
+        "save": job("save", ["--max-restarts", "1"], KILL_IN_SAVE="15"),
+        "used_up": job("used_up", ["--max-restarts", "1"], KILL_AT="3:1", KILL_ALWAYS="1", STEPS="6"),
+        "rendezvous": job("rendezvous", ["--max-restarts", "2"], KILL_AT="3:0", FAIL_EARLY="1:1", STEPS="6"),
+    }
+    if not REFERENCE:
+        specs["reference"] = reference_job(tmp["reference"])
+    done = run_many(specs)
+    if "reference" in done:
+        keep_reference(done["reference"], tmp["reference"])
+    return {name: (result, tmp[name]) for name, result in done.items()}
+
+
+def test_a_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_weights(jobs):
+    done, tmp_path = jobs["kill"]
+    assert done.returncode == 0, done.stderr
+    err = done.stderr
+    assert "rank 1 (local rank 1, node 0) was killed by SIGKILL" in err  # the failure, printed when it happened
+    assert "restarting every rank in 0.05 s (round 1, restart 1 of 2)" in err
+    assert "round 0: failed: rank 1 (local rank 1, node 0) was killed by SIGKILL" in err  # the final summary
+    assert "round 1: succeeded" in err
+    assert "ROUND 1 resumed from step-0010.ckpt at step 10" in done.stdout  # step 10 is mid-epoch (8 a epoch)
+    assert same(weights(str(tmp_path / "w.pt")), REFERENCE[0])
+    kept = json.loads((tmp_path / "ckpt" / "fabriclite-manifest.json").read_text())["checkpoints"]
+    assert [e["name"] for e in kept] == ["step-0010.ckpt", "step-0015.ckpt", "step-0020.ckpt"]
+    assert len({e["run_id"] for e in kept}) == 1  # one run id across the rounds
+
+
+def test_a_rank_killed_inside_a_save_is_restarted_and_ends_with_the_uninterrupted_weights(jobs):
+    done, tmp_path = jobs["save"]
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 (local rank 0, node 0) was killed by SIGKILL" in done.stderr
+    assert "ROUND 1 resumed from step-0010.ckpt at step 10" in done.stdout  # the half-written 15 never counted
+    assert same(weights(str(tmp_path / "w.pt")), REFERENCE[0])
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".fabriclite-manifest.lock", "fabriclite-manifest.json",
+                                                     "step-0010.ckpt", "step-0015.ckpt", "step-0020.ckpt"]
+
+
+def test_when_the_restarts_are_used_up_the_job_fails_naming_the_last_failure(jobs):
+    done, _ = jobs["used_up"]
+    assert done.returncode == 137, done.stderr
+    err = done.stderr
+    assert "round 0: failed: rank 1" in err and "round 1: failed: rank 1" in err
+    assert ("not restarting: the 1 restarts (--max-restarts) are used up; the job failed, last failure: rank 1 "
+            "(local rank 1, node 0) was killed by SIGKILL.") in err
+
+
+def test_a_failure_in_a_restarts_rendezvous_counts_as_a_round(jobs):
+    done, _ = jobs["rendezvous"]
+    assert done.returncode == 0, done.stderr
+    err = done.stderr
+    assert "round 0: failed: rank 0" in err
+    assert "round 1: failed: rank 1 (local rank 1, node 0) exited with code 3" in err
+    assert "round 2: succeeded" in err and "3 rounds (2 of 2 restarts used)" in err
+    assert "DONE round 2" in done.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-restarts", "-1"], "--max-restarts='-1': expected a whole number >= 0"),
+    (["--max-restarts", "two"], "--max-restarts='two': expected a whole number >= 0"),
+    (["--restart-window", "soon"], "--restart-window='soon': expected a number of seconds"),
+])
+def test_bad_restart_flags_are_one_error_line_before_anything_starts(tmp_path, flags, message):
+    done = fabriclite_run(flags, {"CKPT_DIR": str(tmp_path)}, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == f"fabriclite run: error: {message}" or \
+        done.stderr.strip().splitlines()[-1].startswith(f"fabriclite run: error: {message}"), done.stderr
+    assert not os.listdir(tmp_path)
+
+
+def _conflict(env: Optional[Dict[str, str]], **kwargs):
+    from fabriclite import Fabric
+
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        return Fabric(**kwargs)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def test_max_restarts_in_code_that_cannot_take_effect_is_an_error():
+    with pytest.raises(ValueError, match=r"max_restarts=3\) differs from FABRICLITE_MAX_RESTARTS=2"):
+        _conflict({"FABRICLITE_MAX_RESTARTS": "2"}, accelerator="cpu", devices=2, max_restarts=3)
+    with pytest.raises(ValueError, match="torchrun --max-restarts"):
+        _conflict({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                   "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                   "TORCHELASTIC_RESTART_COUNT": "0"}, accelerator="cpu", devices=1, max_restarts=1)
+    with pytest.raises(ValueError, match="cannot be restarted"):
+        _conflict(None, accelerator="cpu", devices=2, strategy="ddp_spawn", max_restarts=1)
+    with pytest.raises(ValueError, match="runs in this one process"):
+        _conflict(None, accelerator="cpu", devices=1, max_restarts=1)
+    assert _conflict({"FABRICLITE_MAX_RESTARTS": "2"}, accelerator="cpu", devices=2)._connector.max_restarts == 2
