@@ -19,7 +19,8 @@ DEADLINE_S = 240
 
 
 def start(flags: List[str], env: Dict[str, str], script: str = SCRIPT) -> subprocess.Popen:
-    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "FABRICLITE_RESTART_BACKOFF": "0.05", **env}
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "FABRICLITE_RESTART_BACKOFF": "0.05",
+            **env}
     return subprocess.Popen([sys.executable, "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2",
                              *flags, script], env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
