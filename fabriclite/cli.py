@@ -42,11 +42,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--rank-prefix", action="store_true", help="prefix every output line with [rank N]")
     run.add_argument("--log-dir", default=None, help="also write each rank's output to LOG_DIR/rank_N.log")
     run.add_argument("--max-restarts", "--max_restarts", default=None,
-                     help="after a failure, start every rank again up to N times (default $FABRICLITE_MAX_RESTARTS or 0)")
+                     help="after a failure, start every rank again up to N times "
+                          "(default $FABRICLITE_MAX_RESTARTS or 0)")
     run.add_argument("--restart-window", "--restart_window", default=None,
                      help="seconds after the start within which restarts may happen (default: no limit)")
     run.add_argument("--preempt-grace", "--preempt_grace", default=None,
-                     help="seconds ranks get to save and exit after SIGTERM/SIGUSR1 (default $FABRICLITE_PREEMPT_GRACE or 20)")
+                     help="seconds ranks get to save and exit after SIGTERM/SIGUSR1 "
+                          "(default $FABRICLITE_PREEMPT_GRACE or 20)")
     run.add_argument("--no-requeue", "--no_requeue", action="store_true",
                      help="under SLURM, do not run `scontrol requeue` after SIGUSR1 (or $FABRICLITE_REQUEUE=0)")
     run.add_argument("script", help="the Python script to run")

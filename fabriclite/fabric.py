@@ -329,7 +329,7 @@ class Fabric:
         return self._preempted
 
     def resume_state(self) -> resume.ResumeState:
-        """``state["resume"] = fabric.resume_state()``: every rank's RNG states saved, each restored (fabriclite.resume)."""
+        """``state["resume"] = fabric.resume_state()``: every rank's RNG states saved (fabriclite.resume)."""
         return resume.ResumeState(self._strategy)
 
     def load_raw(self, path: Union[str, "os.PathLike[str]"], obj: Union[nn.Module, Optimizer], strict: bool = True,

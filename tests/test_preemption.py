@@ -19,7 +19,8 @@ DEADLINE_S = 240
 
 
 def start(flags: List[str], env: Dict[str, str], script: str = SCRIPT) -> subprocess.Popen:
-    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "FABRICLITE_RESTART_BACKOFF": "0.05", **env}
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "FABRICLITE_RESTART_BACKOFF": "0.05",
+            **env}
     return subprocess.Popen([sys.executable, "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2",
                              *flags, script], env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -164,3 +165,23 @@ def test_check_preempted_agrees_on_every_rank_and_calls_the_hook_once(pool2):
     for before, answers, preempted, calls in pool2.run(_agree_on_one_ranks_signal):
         assert before is False and answers == [True, True, True] and preempted is True
         assert len(calls) == 1
+
+
+def test_without_a_supervisor_global_rank_0_requeues_at_exit(tmp_path, stub_scontrol):
+    path_env, record = stub_scontrol
+    script = tmp_path / "alone.py"
+    script.write_text(textwrap.dedent('''
+        import os, signal
+        from fabriclite import Fabric, preemption
+        fabric = Fabric(accelerator="cpu", devices=1)  # as srun would start it: no fabriclite supervisor
+        fabric.launch()
+        os.kill(os.getpid(), signal.SIGUSR1)  # recorded, not fatal
+        print("RECORDED", preemption.received() == signal.SIGUSR1, fabric.check_preempted(), flush=True)
+    '''))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FABRICLITE_", "SLURM_"))}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**env, **path_env, "SLURM_JOB_ID": "99", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "RECORDED True True" in done.stdout
+    assert record.read_text().splitlines() == ["requeue 99"]
+    assert "fabriclite: requeued SLURM job 99 (scontrol requeue 99)." in done.stderr

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from typing import Dict, Optional
 
 import pytest
@@ -30,7 +32,15 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
     }
     if not REFERENCE:
         specs["reference"] = reference_job(tmp["reference"])
+    script = tmp["kill"] / "script_mode.py"
+    script.write_text(SCRIPT_MODE)
+    script_mode = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                   "FABRICLITE_RESTART_BACKOFF": "0.05"})
     done = run_many(specs)
+    out, err = script_mode.communicate(timeout=240)
+    done["script_mode"] = subprocess.CompletedProcess(script_mode.args, script_mode.returncode, out, err)
+    tmp["script_mode"] = tmp["kill"]
     if "reference" in done:
         keep_reference(done["reference"], tmp["reference"])
     return {name: (result, tmp[name]) for name, result in done.items()}
@@ -78,6 +88,27 @@ def test_a_failure_in_a_restarts_rendezvous_counts_as_a_round(jobs):
     assert "round 1: failed: rank 1 (local rank 1, node 0) exited with code 3" in err
     assert "round 2: succeeded" in err and "3 rounds (2 of 2 restarts used)" in err
     assert "DONE round 2" in done.stdout
+
+
+SCRIPT_MODE = """
+import os
+from fabriclite import Fabric
+
+fabric = Fabric(accelerator="cpu", devices=2, max_restarts=1)  # script mode: this process supervises
+fabric.launch()
+if fabric.restart_count == 0 and fabric.global_rank == 1:
+    raise ValueError("rank 1 fails in round 0")
+fabric.barrier()  # rank 0 of round 0 waits here until it is stopped
+print(f"RANK {fabric.global_rank} ROUND {fabric.restart_count} MAX {os.environ['FABRICLITE_MAX_RESTARTS']}", flush=True)
+"""
+
+
+def test_script_mode_restarts_with_max_restarts_in_the_code(jobs):
+    done, _ = jobs["script_mode"]
+    assert done.returncode == 0, done.stderr
+    assert "rank 1 (local rank 1, node 0) raised ValueError: rank 1 fails in round 0" in done.stderr
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("RANK")) == [
+        "RANK 0 ROUND 1 MAX 1", "RANK 1 ROUND 1 MAX 1"]
 
 
 @pytest.mark.parametrize("flags, message", [

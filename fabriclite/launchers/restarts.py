@@ -161,10 +161,14 @@ def run_rounds(supervisor: Any, play: Callable[[int], int], report: Callable[[st
             reason = _why_not(supervisor, number, able, history)
             supervisor.summary = (f"{supervisor.summary}\n{history.table()}\nfabriclite: not restarting: {reason}; the "
                                   f"job failed, last failure: {first_line(supervisor.summary)}.")
-            return code
+            return supervisor.stopped_code(code)
         report(f"{supervisor.summary}\nfabriclite: restarting every rank in {delay:g} s (round {number + 1}, restart "
                f"{number + 1} of {policy.max_restarts}).")
         time.sleep(delay)  # the backoff itself, not a synchronisation
+        if not supervisor.can_restart():  # a signal or a preemption notice during the backoff
+            supervisor.summary = (f"{history.table()}\nfabriclite: not restarting: the job was interrupted or "
+                                  f"preempted during the backoff; last failure: {first_line(supervisor.summary)}.")
+            return supervisor.stopped_code(code)
         number += 1
 
 

@@ -176,6 +176,10 @@ class Supervisor:
         """Whether this node may start a new round (not after a signal)."""
         return self._signal is None and not self.preemption.active
 
+    def stopped_code(self, code: int) -> int:
+        """The exit code of a failed round that is not restarted: 75 when preempted, else ``code``."""
+        return EXIT_PREEMPTED if self.preemption.active else code
+
     # ------------------------------------------------------------------ running
     def run(self, start: Callable[[int, Dict[str, str]], Worker]) -> int:
         """Open the job's store, start the ranks, watch them; return the node's exit code.
