@@ -167,6 +167,14 @@ def _failing_saves(fabric, root):
     state = {"model": model, "optimizer": opt, "version": 0}
     fsdp.load(path, state)
     out["recovered"] = state["version"], sorted(os.listdir(root))
+    # mismatched keys: strict refuses on every rank, strict=False loads the keys both have
+    bigger = fsdp.setup_module(build(seed=3, depth=3))
+    with pytest.raises(Exception) as info:
+        fsdp.load(path, {"model": bigger})
+    out["strict"] = f"{type(info.value).__name__}: {info.value}"
+    assert fsdp.load(path, {"model": bigger}, strict=False) == {"version": 1}
+    out["partial"] = torch.equal(full_weights(fsdp, bigger).get("0.weight", torch.zeros(0)),
+                                 full_weights(fsdp, model).get("0.weight", torch.ones(0)))
     # a rank's shard missing: named before anything is loaded
     if fsdp.global_rank == 0:
         os.remove(os.path.join(path, "__1_0.distcp"))
@@ -183,12 +191,15 @@ def _failing_saves(fabric, root):
 
 
 def test_failed_saves_keep_the_previous_checkpoint_and_missing_shards_are_named(pool2, tmp_path):
-    for r in pool2.run(_failing_saves, str(tmp_path)):
+    results = pool2.run(_failing_saves, str(tmp_path))
+    assert results[0]["partial"]  # strict=False loaded the shared keys (full weights compared on rank 0)
+    for r in results:
         assert "lambda" in r["error"] or "pickle" in r["error"].lower(), r["error"]
         assert r["after_failure"] == ["ckpt"]  # the temporary directory is gone, the old checkpoint in place
         assert r["recovered"] == (1, ["ckpt"])
         assert "missing ['__1_0.distcp']" in r["missing"] and "Nothing was loaded" in r["missing"]
         assert r["untouched"]
+        assert "3.fc1.weight" in r["strict"], r["strict"]  # the key the checkpoint lacks is named
 
 
 def test_two_rank_checkpoint_loads_on_three_ranks(round_trip, pool3):
