@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from fabriclite import Fabric, checkpoint
-from fabriclite.strategies import FSDPStrategy
 from test_fsdp import Block, build, fsdp_fabric, full_weights, train
 
 

@@ -14,10 +14,10 @@ directory on every rank; the checkpoint module swaps it in.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 
 METADATA_FILENAME = "meta.pt"
