@@ -161,6 +161,17 @@ def _interop(fabric, root):
     state = {"model": lmodel, "optimizer": lopt, "step": 0}
     lightning.load(os.path.join(root, "fabriclite.ckpt"), state)
     out["lightning_from_fsdp"] = state["step"], train(lightning, lmodel, lopt, steps=3, clip=False)[0]
+    # Lightning's full file (save_distributed_checkpoint=False) into fsdp: weights and optimizer state
+    lightning.strategy._save_distributed_checkpoint = False
+    full = os.path.join(root, "lightning_full.ckpt")
+    lightning.save(full, {"model": lmodel, "optimizer": lopt, "step": 7})
+    fresh = fsdp.setup_module(build(seed=9))
+    fresh_opt = fsdp.setup_optimizers(torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+    fsdp.load(full, state)
+    out["full_step"] = state["step"]
+    out["full_next"] = train(fsdp, fresh, fresh_opt, steps=2, clip=False)[0], \
+        train(lightning, lmodel, lopt, steps=2, clip=False)[0]
     out["files"] = sorted(os.listdir(os.path.join(root, "lightning.ckpt"))), \
         sorted(os.listdir(os.path.join(root, "fabriclite.ckpt")))
     return out
@@ -176,6 +187,7 @@ def test_lightning_model_parallel_interop(pool2, tmp_path):
         # both restored step 4 of the same run, so they continue identically
         assert r["fsdp_from_lightning"][0] == r["lightning_from_fsdp"][0] == 4
         assert r["fsdp_from_lightning"][1] == r["lightning_from_fsdp"][1]
+        assert r["full_step"] == 7 and r["full_next"][0] == r["full_next"][1]  # same weights and AdamW state
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
