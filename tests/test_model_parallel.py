@@ -53,6 +53,7 @@ def _mp_fabric(world, **kwargs):
 
 
 def _tp_losses(fabric, model, opt, parallel: bool):
+    """Per step: the loss and the gradient norm."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     g = torch.Generator().manual_seed(7)  # the same batches on every rank of the tensor-parallel group
@@ -65,10 +66,12 @@ def _tp_losses(fabric, model, opt, parallel: bool):
                 loss = nn.functional.cross_entropy(model(x), y)
                 fabric.backward(loss)
             losses.append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
+            losses.append(float(fabric.clip_gradients(model, opt, max_norm=1e9)))  # the norm over every shard
         else:
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             losses.append(loss.item())
+            losses.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
         opt.step()
     return losses
 
