@@ -111,7 +111,9 @@ def publish(strategy: Strategy, path: PathLike, write: Callable[[str], None], di
         try:
             os.makedirs(parent, exist_ok=True)
             write(tmp)
-        except Exception as err:  # noqa: BLE001 - every rank must hear of it
+        except BaseException as err:  # noqa: BLE001 - every rank must hear of it
+            if not isinstance(err, Exception) and type(err).__name__ != "CheckpointException":
+                raise  # KeyboardInterrupt, SystemExit (torch.distributed.checkpoint's errors are BaseExceptions)
             error = err
         outcomes = strategy.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
         failed = {rank: msg for rank, msg in enumerate(outcomes) if msg is not None}

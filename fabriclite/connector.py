@@ -32,8 +32,8 @@ LT_CLI_USED_ENV = "LT_CLI_USED"
 #: Lightning Fabric's registered names that fabriclite does not have (the rows of docs/compat.md say why)
 LIGHTNING_ONLY_STRATEGIES = frozenset({
     "deepspeed", "deepspeed_stage_1", "deepspeed_stage_1_offload", "deepspeed_stage_2", "deepspeed_stage_2_offload",
-    "deepspeed_stage_3", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", "dp", "fsdp",
-    "fsdp_cpu_offload", "single_tpu", "xla_fsdp",
+    "deepspeed_stage_3", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", "dp", "single_tpu",
+    "xla_fsdp",
 })
 LIGHTNING_ONLY_PRECISIONS = frozenset({"transformer-engine", "transformer-engine-float16"})
 HOROVOD_RECIPE = ("install it with `make env-horovod` (see docs/backends.md: horovod 0.28.1 built from source with "

@@ -226,3 +226,43 @@ def test_policies_in_every_accepted_form():
     from torch.distributed.fsdp import ShardingStrategy
 
     assert sharding.sharding_plan(ShardingStrategy.HYBRID_SHARD) == ("HYBRID_SHARD", "2d", True)
+
+
+VARIANTS = {
+    "SHARD_GRAD_OP": dict(sharding_strategy="SHARD_GRAD_OP"),
+    "NO_SHARD": dict(sharding_strategy="NO_SHARD"),
+    "HYBRID_SHARD": dict(sharding_strategy="HYBRID_SHARD", auto_wrap_policy={Block}),
+    "activation checkpointing": dict(activation_checkpointing_policy={Block}, auto_wrap_policy={Block}),
+}
+
+
+def _variants(fabric):
+    out = {}
+    model = build()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    out["ddp"] = train(fabric, model, opt, steps=5)[0]
+    for name, kwargs in VARIANTS.items():
+        fsdp = fsdp_fabric(fabric.world_size, **kwargs)
+        model = fsdp.setup_module(build())
+        opt = fsdp.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        out[name] = train(fsdp, model, opt, steps=5)[0]
+        out[name + " mesh"] = tuple(fsdp.strategy.device_mesh.shape)
+    for precision in ("bf16-mixed", "bf16-true"):
+        fsdp = Fabric(accelerator="cpu", devices=fabric.world_size, precision=precision,
+                      strategy=FSDPStrategy(auto_wrap_policy={Block}))
+        fsdp.launch()
+        model = build()
+        model, opt = fsdp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        out[precision] = train(fsdp, model, opt, steps=5)[0]
+        out[precision + " policy"] = str(fsdp.strategy.mixed_precision_config.param_dtype)
+    return out
+
+
+def test_every_sharding_strategy_and_precision_trains_like_ddp(pool2):
+    for r in pool2.run(_variants):
+        for name in VARIANTS:
+            assert _close(r[name], r["ddp"]), (name, r[name], r["ddp"])
+        assert r["SHARD_GRAD_OP mesh"] == (2,) and r["NO_SHARD mesh"] == (2, 1) and r["HYBRID_SHARD mesh"] == (1, 2)
+        for precision in ("bf16-mixed", "bf16-true"):  # bf16 arithmetic: close to fp32, not equal
+            assert _close(r[precision], r["ddp"], rel=2e-2), (precision, r[precision], r["ddp"])
+        assert r["bf16-mixed policy"] == "torch.bfloat16" and r["bf16-true policy"] == "None"

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from fabriclite import Fabric, checkpoint
-from fabriclite.strategies import FSDPStrategy
 from test_fsdp import Block, build, fsdp_fabric, full_weights, train
 
 
@@ -167,6 +166,14 @@ def _failing_saves(fabric, root):
     state = {"model": model, "optimizer": opt, "version": 0}
     fsdp.load(path, state)
     out["recovered"] = state["version"], sorted(os.listdir(root))
+    # mismatched keys: strict refuses on every rank, strict=False loads the keys both have
+    bigger = fsdp.setup_module(build(seed=3, depth=3))
+    with pytest.raises(KeyError) as info:
+        fsdp.load(path, {"model": bigger})
+    out["strict"] = f"{type(info.value).__name__}: {info.value}"
+    assert fsdp.load(path, {"model": bigger}, strict=False) == {"version": 1}
+    out["partial"] = torch.equal(full_weights(fsdp, bigger).get("0.weight", torch.zeros(0)),
+                                 full_weights(fsdp, model).get("0.weight", torch.ones(0)))
     # a rank's shard missing: named before anything is loaded
     if fsdp.global_rank == 0:
         os.remove(os.path.join(path, "__1_0.distcp"))
@@ -183,12 +190,15 @@ def _failing_saves(fabric, root):
 
 
 def test_failed_saves_keep_the_previous_checkpoint_and_missing_shards_are_named(pool2, tmp_path):
-    for r in pool2.run(_failing_saves, str(tmp_path)):
+    results = pool2.run(_failing_saves, str(tmp_path))
+    assert results[0]["partial"]  # strict=False loaded the shared keys (full weights compared on rank 0)
+    for r in results:
         assert "lambda" in r["error"] or "pickle" in r["error"].lower(), r["error"]
         assert r["after_failure"] == ["ckpt"]  # the temporary directory is gone, the old checkpoint in place
         assert r["recovered"] == (1, ["ckpt"])
         assert "missing ['__1_0.distcp']" in r["missing"] and "Nothing was loaded" in r["missing"]
         assert r["untouched"]
+        assert "3.fc1.weight" in r["strict"], r["strict"]  # the key the checkpoint lacks is named
 
 
 def test_two_rank_checkpoint_loads_on_three_ranks(round_trip, pool3):
@@ -245,3 +255,67 @@ def test_publish_swaps_directories_and_files_either_way(tmp_path):
     assert (target / "a").read_text() == "dir"
     checkpoint.publish(strategy, target, lambda tmp: open(tmp, "w").write("file2"), directory=False)
     assert target.read_text() == "file2" and os.listdir(tmp_path) == ["ckpt"]
+
+
+KILL_JOB = """
+    import hashlib, os, signal, sys
+    import torch
+    from torch import nn
+    from fabriclite import Fabric
+    from fabriclite.strategies import FSDPStrategy
+
+    path, mode = sys.argv[1], sys.argv[2]
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={nn.Linear}))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 6))
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    def steps(first, last):
+        for step in range(first, last):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1000 * fabric.global_rank + step))
+            opt.zero_grad()
+            fabric.backward(model(x).pow(2).mean())
+            opt.step()
+
+    def digest():
+        state = fabric.strategy.get_module_state_dict(model._forward_module)
+        return hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(state.items()))).hexdigest()
+
+    class Killer:  # pickled into meta.pt by rank 0, after every shard is written: rank 0 dies mid-save
+        def __reduce__(self):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if mode == "train":
+        steps(0, 3)
+        fabric.save(path, {"model": model, "optimizer": opt, "step": 3})
+        steps(3, 6)
+        if fabric.global_rank == 0:
+            print("DIGEST", digest(), flush=True)
+        else:
+            digest()
+        fabric.save(path, {"model": model, "optimizer": opt, "step": 6, "killer": Killer()})
+    else:
+        state = {"model": model, "optimizer": opt, "step": 0}
+        fabric.load(path, state)
+        steps(state["step"], 6)
+        line = f"DIGEST {digest()}"
+        if fabric.global_rank == 0:
+            print(line, "STEP", state["step"], flush=True)
+"""
+
+
+def test_a_killed_sharded_save_keeps_the_previous_one_and_resume_is_bit_exact(tmp_path):
+    from helpers import python, write_script
+
+    script = write_script(tmp_path, KILL_JOB)
+    path = str(tmp_path / "ckpt")
+    killed = python(script, path, "train", timeout=180)
+    assert killed.returncode != 0  # rank 0 was killed inside the second save
+    uninterrupted = [line.split()[1] for line in killed.stdout.splitlines() if line.startswith("DIGEST")]
+    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert torch.load(os.path.join(path, "meta.pt"), weights_only=True) == {"step": 3}  # the previous one
+    resumed = python(script, path, "resume", timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (line,) = [line for line in resumed.stdout.splitlines() if line.startswith("DIGEST")]
+    assert line.split()[1:] == [uninterrupted[0], "STEP", "3"]  # bit for bit

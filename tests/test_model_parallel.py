@@ -53,6 +53,7 @@ def _mp_fabric(world, **kwargs):
 
 
 def _tp_losses(fabric, model, opt, parallel: bool):
+    """Per step: the loss and the gradient norm."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     g = torch.Generator().manual_seed(7)  # the same batches on every rank of the tensor-parallel group
@@ -65,10 +66,12 @@ def _tp_losses(fabric, model, opt, parallel: bool):
                 loss = nn.functional.cross_entropy(model(x), y)
                 fabric.backward(loss)
             losses.append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
+            losses.append(float(fabric.clip_gradients(model, opt, max_norm=1e9)))  # the norm over every shard
         else:
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             losses.append(loss.item())
+            losses.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
         opt.step()
     return losses
 
@@ -161,6 +164,17 @@ def _interop(fabric, root):
     state = {"model": lmodel, "optimizer": lopt, "step": 0}
     lightning.load(os.path.join(root, "fabriclite.ckpt"), state)
     out["lightning_from_fsdp"] = state["step"], train(lightning, lmodel, lopt, steps=3, clip=False)[0]
+    # Lightning's full file (save_distributed_checkpoint=False) into fsdp: weights and optimizer state
+    lightning.strategy._save_distributed_checkpoint = False
+    full = os.path.join(root, "lightning_full.ckpt")
+    lightning.save(full, {"model": lmodel, "optimizer": lopt, "step": 7})
+    fresh = fsdp.setup_module(build(seed=9))
+    fresh_opt = fsdp.setup_optimizers(torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+    fsdp.load(full, state)
+    out["full_step"] = state["step"]
+    out["full_next"] = train(fsdp, fresh, fresh_opt, steps=2, clip=False)[0], \
+        train(lightning, lmodel, lopt, steps=2, clip=False)[0]
     out["files"] = sorted(os.listdir(os.path.join(root, "lightning.ckpt"))), \
         sorted(os.listdir(os.path.join(root, "fabriclite.ckpt")))
     return out
@@ -176,6 +190,7 @@ def test_lightning_model_parallel_interop(pool2, tmp_path):
         # both restored step 4 of the same run, so they continue identically
         assert r["fsdp_from_lightning"][0] == r["lightning_from_fsdp"][0] == 4
         assert r["fsdp_from_lightning"][1] == r["lightning_from_fsdp"][1]
+        assert r["full_step"] == 7 and r["full_next"][0] == r["full_next"][1]  # same weights and AdamW state
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -14,10 +14,10 @@ directory on every rank; the checkpoint module swaps it in.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 
 METADATA_FILENAME = "meta.pt"
@@ -187,6 +187,18 @@ def check_complete(path: str) -> None:
                                 "must be on a filesystem this rank reads).")
 
 
+def _check_keys(path: str, modules: Mapping[str, Mapping[str, Any]]) -> None:
+    """KeyError naming the model keys the checkpoint lacks (strict loading), before anything is read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    missing = sorted(f"{key}.{name}" for key, sd in modules.items() for name in sd if f"{key}.{name}" not in stored)
+    if missing:
+        raise KeyError(f"The checkpoint {path} lacks keys the model has: {missing[:8]}"
+                       f"{' ...' if len(missing) > 8 else ''} ({len(missing)} in all). Nothing was loaded; pass "
+                       "strict=False to load only the keys both have.")
+
+
 def consolidate(path: str) -> Dict[str, Any]:
     """The whole sharded checkpoint at ``path`` as one dict of full tensors on the CPU (``meta.pt``'s entries
     included), read by this process alone: what ``fabriclite consolidate`` writes."""
@@ -236,6 +248,8 @@ def load_sharded(strategy: Any, path: str, state: Any, strict: bool = True,
             if module is None:
                 raise ValueError("Loading an optimizer from a sharded checkpoint needs its model in the same state.")
             target[key] = get_optimizer_state_dict(module, obj)
+    if strict:
+        _check_keys(path, {key: target[key] for key, obj in state.items() if isinstance(obj, nn.Module)})
     planner = DefaultLoadPlanner(allow_partial_load=not strict)
     dcp.load(target, checkpoint_id=path, planner=planner, no_dist=no_dist)
     for key, obj in state.items():

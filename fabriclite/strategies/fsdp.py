@@ -96,6 +96,11 @@ class FSDPStrategy(ShardedStrategy):
         return self._state_dict_type
 
     @property
+    def mixed_precision_config(self) -> Any:
+        """FSDP2's MixedPrecisionPolicy in effect (from ``mixed_precision`` or the precision plugin)."""
+        return sharding.mixed_precision_policy(self.mixed_precision, self.precision.name)
+
+    @property
     def sharded_checkpoints(self) -> bool:  # type: ignore[override]
         return self._state_dict_type == "sharded"
 
@@ -139,7 +144,7 @@ class FSDPStrategy(ShardedStrategy):
     def _fully_shard_options(self) -> Dict[str, Any]:
         options = dict(self._fully_shard_kwargs)
         options["mesh"] = self.device_mesh
-        options["mp_policy"] = sharding.mixed_precision_policy(self.mixed_precision, self.precision.name)
+        options["mp_policy"] = self.mixed_precision_config
         if self.cpu_offload:
             from torch.distributed.fsdp import CPUOffloadPolicy
 

@@ -85,8 +85,7 @@ def mixed_precision_policy(mixed_precision: Any, precision_name: str) -> Any:
         return mixed_precision
     if isinstance(mixed_precision, MixedPrecision):
         return MixedPrecisionPolicy(param_dtype=mixed_precision.param_dtype,
-                                    reduce_dtype=mixed_precision.reduce_dtype,
-                                    cast_forward_inputs=bool(mixed_precision.cast_forward_inputs or True))
+                                    reduce_dtype=mixed_precision.reduce_dtype)
     if mixed_precision is not None:
         raise TypeError(f"mixed_precision={mixed_precision!r} ({type(mixed_precision).__name__}) is not valid; "
                         "expected torch.distributed.fsdp.MixedPrecisionPolicy, torch.distributed.fsdp.MixedPrecision "
