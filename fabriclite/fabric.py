@@ -4,34 +4,35 @@ from __future__ import annotations
 
 import atexit
 import os
-from contextlib import contextmanager
-from typing import Any, Callable, ContextManager, Dict, Generator, List, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, List, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from fabriclite import checkpoint, collectives, lightning_module, manifest, preemption, resume, run_method, wrappers
+from fabriclite import collectives, lightning_module, preemption, run_method, wrappers
 from fabriclite.accelerators import Accelerator
 from fabriclite.callbacks import as_callback_list, call_hook
 from fabriclite.connector import Connector, cli_used
 from fabriclite.data import gather_eval as _gather_eval
 from fabriclite.data import setup_dataloader as _setup_dataloader
+from fabriclite.fabric_checkpoints import FabricCheckpoints
+from fabriclite.fabric_collectives import FabricCollectives
 from fabriclite.launchers.child import ERROR_FILE_ENV, record_errors
 from fabriclite.launchers.output import line_buffer_stdio
 from fabriclite.launchers.restarts import restart_count
 from fabriclite.loggers.base import share_logger_state
 from fabriclite.seed import seed_everything as _seed_everything
 from fabriclite.strategies import Strategy
-from fabriclite.wrappers import FabricDataLoader, FabricModule, FabricOptimizer
+from fabriclite.wrappers import FabricModule, FabricOptimizer
 
 
-class Fabric:
+class Fabric(FabricCollectives, FabricCheckpoints):
     """Turns a plain PyTorch script into a distributed one.
 
     Arguments follow Lightning Fabric: ``accelerator`` ("auto", "cpu", "cuda"/"gpu", "mps", "tpu"),
-    ``strategy`` ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "single_device", "horovod",
+    ``strategy`` ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "single_device", "fsdp", "horovod",
     "xla", ... or an instance), ``devices`` ("auto", an int, a list of GPU indices, "0,1", -1),
     ``num_nodes``, ``precision``, ``plugins``, ``callbacks``, ``loggers``; ``max_restarts`` (fabriclite's own:
     start every rank again after a failure, up to N times; see fabriclite.launchers.restarts). Bad values raise
@@ -280,64 +281,6 @@ class Fabric:
         self._check_launched("gather_eval")
         return _gather_eval(self._strategy, data, dataloader)
 
-    # ------------------------------------------------------------------ checkpoints
-    def save(self, path: Union[str, "os.PathLike[str]"], state: Dict[str, Any],
-             filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None, *, keep: Optional[int] = None) -> None:
-        """Write ``state`` to ``path`` on global rank 0, atomically; every rank returns when it is complete.
-        ``keep=K``: record it in the directory's manifest and keep this run's K newest (see fabriclite.manifest)."""
-        self._check_launched("save")
-        unwrapped = wrappers.unwrap(state, loaders=False)
-        if keep is None:
-            checkpoint.save(self._strategy, path, unwrapped, filter)
-        else:
-            manifest.save(self._strategy, path, unwrapped, filter, keep)
-
-    def load(self, path: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
-             strict: bool = True, *, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        """Restore ``state`` in place from ``path``; returns what was not restored (all of it without state)."""
-        self._check_launched("load")
-        unwrapped = wrappers.unwrap(state, loaders=False)
-        resume.set_strict(unwrapped, strict)
-        remainder = checkpoint.load(self._strategy, path, unwrapped, strict=strict, weights_only=weights_only)
-        if state is not None:
-            for key, value in unwrapped.items():
-                if not isinstance(state[key], (FabricModule, FabricOptimizer, FabricDataLoader)):
-                    state[key] = value
-        return remainder
-
-    def load_latest(self, directory: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
-                    strict: bool = True, *, weights_only: Optional[bool] = None) -> Optional[str]:
-        """``load`` the newest checkpoint ``directory``'s manifest records: its path, or None (fabriclite.manifest)."""
-        path = manifest.latest(self._strategy, directory)
-        if path is not None:
-            self.load(path, state, strict=strict, weights_only=weights_only)
-        return path
-
-    def check_preempted(self) -> bool:
-        """Whether the job was told it will be stopped (SIGTERM / SIGUSR1 on any rank): a collective, one small
-        all_reduce, the same answer on every rank at the same call. The first True also calls the callbacks'
-        ``on_preempt(fabric)`` hook. Call it every N steps and save then (see fabriclite.preemption)."""
-        agreed = preemption.check(self._strategy)
-        if agreed and not self._preempted:
-            self._preempted = True
-            self.call("on_preempt", self)
-        return agreed
-
-    @property
-    def preempted(self) -> bool:
-        """The last answer of ``check_preempted()`` (False before the first call)."""
-        return self._preempted
-
-    def resume_state(self) -> resume.ResumeState:
-        """``state["resume"] = fabric.resume_state()``: every rank's RNG states saved (fabriclite.resume)."""
-        return resume.ResumeState(self._strategy)
-
-    def load_raw(self, path: Union[str, "os.PathLike[str]"], obj: Union[nn.Module, Optimizer], strict: bool = True,
-                 *, weights_only: Optional[bool] = None) -> None:
-        """Load a bare state_dict file (made without Fabric) into a module or optimizer."""
-        self._check_launched("load_raw")
-        checkpoint.load_raw(self._strategy, path, wrappers.unwrap(obj), strict=strict, weights_only=weights_only)
-
     # ------------------------------------------------------------------ callbacks and loggers
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
         """Call ``hook_name`` on every callback that has it (see fabriclite.callbacks.call_hook)."""
@@ -370,62 +313,11 @@ class Fabric:
             if callable(getattr(logger, "bind_rank", None)):
                 logger.bind_rank(rank)
 
-    def _check_launched(self, what: str) -> None:
-        """RuntimeError before the job is joined (several processes, no ``launch()`` yet), before anything
-        reaches torch.distributed (Lightning's rule: every strategy but the single-device one)."""
-        if not self._launched and not self._strategy.single_device:
-            raise RuntimeError(f"fabric.{what}() with strategy={self._strategy.name!r} needs this process to join the "
-                               "job: call fabric.launch() first (under torchrun / srun / mpirun too), or start the "
-                               "script with `fabriclite run`.")
-
-    # ------------------------------------------------------------------ printing and collectives
+    # ------------------------------------------------------------------ printing
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on local rank 0 of each node only."""
         if self.local_rank == 0:
             print(*args, **kwargs)
-
-    def barrier(self, name: Optional[str] = None, check: bool = True) -> None:
-        """Wait until every rank reaches this point (see fabriclite.collectives.barrier)."""
-        self._check_launched("barrier")
-        collectives.barrier(self._strategy, name, check=check)
-
-    def broadcast(self, obj: Any, src: int = 0, check: bool = True) -> Any:
-        """``obj`` from global rank ``src`` on every rank (see fabriclite.collectives.broadcast)."""
-        self._check_launched("broadcast")
-        return collectives.broadcast(self._strategy, obj, src, check=check)
-
-    def all_gather(self, data: Any, group: Optional[Any] = None, sync_grads: bool = False, cat: bool = False,
-                   check: bool = True) -> Any:
-        """Every rank's ``data``, leaf by leaf (see fabriclite.collectives.all_gather)."""
-        self._check_launched("all_gather")
-        return collectives.all_gather(self._strategy, data, group=group, sync_grads=sync_grads, cat=cat, check=check)
-
-    def all_reduce(self, data: Any, group: Optional[Any] = None, reduce_op: Any = "mean", check: bool = True,
-                   inplace: bool = False) -> Any:
-        """``data`` reduced over the ranks, leaf by leaf (see fabriclite.collectives.all_reduce)."""
-        self._check_launched("all_reduce")
-        return collectives.all_reduce(self._strategy, data, group=group, reduce_op=reduce_op, check=check,
-                                      inplace=inplace)
-
-    def gather(self, data: Any, dst: int = 0, group: Optional[Any] = None) -> Any:
-        """A list of every rank's ``data`` on rank ``dst``; None elsewhere."""
-        self._check_launched("gather")
-        return collectives.gather(self._strategy, data, dst=dst, group=group)
-
-    def reduce(self, data: Any, dst: int = 0, reduce_op: Any = "mean", group: Optional[Any] = None,
-               check: bool = True, inplace: bool = False) -> Any:
-        """``data`` reduced over the ranks on rank ``dst``; None elsewhere (see fabriclite.collectives.reduce)."""
-        self._check_launched("reduce")
-        return collectives.reduce(self._strategy, data, dst=dst, reduce_op=reduce_op, group=group, check=check,
-                                  inplace=inplace)
-
-    @contextmanager
-    def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:
-        """Rank 0 (of each node with ``local=True``) runs the block first; the others wait, without a
-        deadline, and raise rank 0's error if its block raised."""
-        self._check_launched("rank_zero_first")
-        with collectives.rank_zero_first(self._strategy, local=local):
-            yield
 
     def __repr__(self) -> str:
         return (f"Fabric(accelerator={self._accelerator!r}, strategy={self._strategy.name!r}, "
