@@ -3,7 +3,8 @@ hand-written floors and one flat collective of the same bytes (the limit), on 2 
 
 For all_reduce (mean) and all_gather of dicts of 1, 10, 100, 1,000 and 10,000 0-d float32 tensors and of one
 16M-float tensor, every implementation is called in turn (interleaved, so load drifts hit all alike) and the
-median time per call on rank 0 is kept. fabriclite, the floors and the limit get ``--calls`` calls (>= 200)
+median time per call on rank 0 is kept (each round starts one implementation further along, so none always
+runs right after the same one). fabriclite, the floors and the limit get ``--calls`` calls (>= 200)
 at every size; Lightning Fabric and the per-leaf loop, which take up to seconds per call, get as many as fit
 in ``--budget`` seconds (at least 5, at most ``--calls``); the table says how many. The floors
 (benchmarks/collectives_floors.py): (a) the least hand-written Python that reads the leaves, runs one
@@ -134,8 +135,10 @@ def _call_counts(impls: Dict[str, Callable[[], Any]], calls: int, budget: float)
 
 def _measure(impls: Dict[str, Callable[[], Any]], counts: Dict[str, int]) -> Dict[str, List[float]]:
     times: Dict[str, List[float]] = {name: [] for name in impls}
+    order = list(impls.items())
     for r in range(max(counts.values())):
-        for name, fn in impls.items():
+        k = r % len(order)  # each round starts one further along: no implementation always follows the same one
+        for name, fn in order[k:] + order[:k]:
             if r < counts[name]:
                 t0 = time.perf_counter()
                 fn()
