@@ -3,7 +3,7 @@ hand-written floors and one flat collective of the same bytes (the limit), on 2 
 
 For all_reduce (mean) and all_gather of dicts of 1, 10, 100, 1,000 and 10,000 0-d float32 tensors and of one
 16M-float tensor, every implementation is called in turn (interleaved, so load drifts hit all alike) and the
-median time per call on rank 0 is kept (each round starts one implementation further along, so none always
+median time per call on rank 0 is kept (``--big-calls`` (40) for the 16M-float cases; each round starts one implementation further along, so none always
 runs right after the same one). fabriclite, the floors and the limit get ``--calls`` calls (>= 200)
 at every size; Lightning Fabric and the per-leaf loop, which take up to seconds per call, get as many as fit
 in ``--budget`` seconds (at least 5, at most ``--calls``); the table says how many. The floors
@@ -14,7 +14,7 @@ The whole run is repeated ``--runs`` times (3), each a fresh pair of ranks; the 
 the runs of each per-run median, the goals the median over the runs of each per-run ratio (a ratio is taken
 between numbers of the same run), with the load average of each run.
 
-    python benchmarks/collectives.py [--runs 3] [--calls 200] [--budget 10] [--markdown docs/collectives.md]
+    python benchmarks/collectives.py [--runs 3] [--calls 200] [--big-calls 40] [--budget 5] [--markdown docs/collectives.md]
                                      [--plot docs/collectives_benchmark.png]
 
 The script starts its two ranks itself (through torchrun, so that both Fabric objects join one process
@@ -169,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
                 continue
             slow_max = BIG if numel == BIG else args.baselines_up_to
             impls = _impls(op, make, numel, fabric, lfabric, args.reduce_op, not args.no_baselines, slow_max)
-            counts = _call_counts(impls, args.calls, args.budget)
+            counts = _call_counts(impls, args.big_calls if numel == BIG else args.calls, args.budget)
             times = _measure(impls, counts)
             results[f"{op}|{label}"] = {name: {"median": statistics.median(t), "calls": len(t)}
                                         for name, t in times.items()}
@@ -345,7 +345,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="whole runs, each a fresh pair of ranks (3)")
     parser.add_argument("--calls", type=int, default=200, help="calls for fabriclite, the floors and the limit")
-    parser.add_argument("--budget", type=float, default=10.0, help="seconds per baseline and size")
+    parser.add_argument("--big-calls", type=int, default=40, help="the same for the 16M-float cases")
+    parser.add_argument("--budget", type=float, default=5.0, help="seconds per baseline and size")
     parser.add_argument("--markdown", default=None, help="write the tables into this Markdown file")
     parser.add_argument("--plot", default=None, help="write the plot (PNG) here")
     parser.add_argument("--reduce-op", default="mean", help="all_reduce's op for fabriclite and Lightning Fabric")
