@@ -3,7 +3,8 @@ hand-written floors and one flat collective of the same bytes (the limit), on 2 
 
 For all_reduce (mean) and all_gather of dicts of 1, 10, 100, 1,000 and 10,000 0-d float32 tensors and of one
 16M-float tensor, every implementation is called in turn (interleaved, so load drifts hit all alike) and the
-median time per call on rank 0 is kept. fabriclite, the floors and the limit get ``--calls`` calls (>= 200)
+median time per call on rank 0 is kept (``--big-calls`` (40) for the 16M-float cases; each round starts one implementation further along, so none always
+runs right after the same one). fabriclite, the floors and the limit get ``--calls`` calls (>= 200)
 at every size; Lightning Fabric and the per-leaf loop, which take up to seconds per call, get as many as fit
 in ``--budget`` seconds (at least 5, at most ``--calls``); the table says how many. The floors
 (benchmarks/collectives_floors.py): (a) the least hand-written Python that reads the leaves, runs one
@@ -13,7 +14,7 @@ The whole run is repeated ``--runs`` times (3), each a fresh pair of ranks; the 
 the runs of each per-run median, the goals the median over the runs of each per-run ratio (a ratio is taken
 between numbers of the same run), with the load average of each run.
 
-    python benchmarks/collectives.py [--runs 3] [--calls 200] [--budget 10] [--markdown docs/collectives.md]
+    python benchmarks/collectives.py [--runs 3] [--calls 200] [--big-calls 40] [--budget 5] [--markdown docs/collectives.md]
                                      [--plot docs/collectives_benchmark.png]
 
 The script starts its two ranks itself (through torchrun, so that both Fabric objects join one process
@@ -56,14 +57,14 @@ def _cases() -> List[Tuple[str, Callable[[], Any], int]]:
 
 
 def _impls(op: str, make: Callable[[], Any], numel: int, fabric: Any, lfabric: Any, reduce_op: str,
-           baselines: bool) -> Dict[str, Callable[[], Any]]:
+           baselines: bool, slow_max: int) -> Dict[str, Callable[[], Any]]:
     import torch
     import torch.distributed as dist
 
     from collectives_floors import floors
     from fabriclite import collectives
 
-    names = [n for n in impl_names(op) if baselines or n not in SLOW]
+    names = [n for n in impl_names(op) if n not in SLOW or (baselines and numel <= slow_max)]
     if "inplace" not in inspect.signature(collectives.all_reduce).parameters:  # measuring an older version
         names = [n for n in names if n != "fabriclite inplace"]
     world = dist.get_world_size()
@@ -116,15 +117,17 @@ def _call_counts(impls: Dict[str, Callable[[], Any]], calls: int, budget: float)
     import torch
     import torch.distributed as dist
 
-    estimates = []
-    for fn in impls.values():
-        times: List[float] = []
-        while len(times) < 3 and sum(times) < 1.0:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        estimates.append(statistics.median(times))
-    agreed = torch.tensor(estimates, dtype=torch.float64)
+    def timed(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    # every rank must make the same calls: how many warm-up calls follows from times agreed over the ranks
+    agreed = torch.tensor([timed(fn) for fn in impls.values()], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    for k, (fn, first) in enumerate(zip(impls.values(), agreed.tolist())):
+        if first < 0.2:
+            agreed[k] = statistics.median([first, timed(fn), timed(fn)])
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     return {name: calls if name not in SLOW else int(max(5, min(calls, budget / max(estimate, 1e-9))))
             for name, estimate in zip(impls, agreed.tolist())}
@@ -132,8 +135,10 @@ def _call_counts(impls: Dict[str, Callable[[], Any]], calls: int, budget: float)
 
 def _measure(impls: Dict[str, Callable[[], Any]], counts: Dict[str, int]) -> Dict[str, List[float]]:
     times: Dict[str, List[float]] = {name: [] for name in impls}
+    order = list(impls.items())
     for r in range(max(counts.values())):
-        for name, fn in impls.items():
+        k = r % len(order)  # each round starts one further along: no implementation always follows the same one
+        for name, fn in order[k:] + order[:k]:
             if r < counts[name]:
                 t0 = time.perf_counter()
                 fn()
@@ -162,8 +167,9 @@ def worker(args: argparse.Namespace) -> None:
         for label, make, numel in _cases():
             if args.only and args.only not in f"{op} {label}":
                 continue
-            impls = _impls(op, make, numel, fabric, lfabric, args.reduce_op, not args.no_baselines)
-            counts = _call_counts(impls, args.calls, args.budget)
+            slow_max = BIG if numel == BIG else args.baselines_up_to
+            impls = _impls(op, make, numel, fabric, lfabric, args.reduce_op, not args.no_baselines, slow_max)
+            counts = _call_counts(impls, args.big_calls if numel == BIG else args.calls, args.budget)
             times = _measure(impls, counts)
             results[f"{op}|{label}"] = {name: {"median": statistics.median(t), "calls": len(t)}
                                         for name, t in times.items()}
@@ -207,21 +213,24 @@ def report(runs: List[Dict[str, Any]]) -> Tuple[str, List[str]]:
     sections, goals = [], []
     keys = list(runs[0]["results"])
     for op in ("all_reduce", "all_gather"):
-        names = [n for n in impl_names(op) if n in runs[0]["results"][keys[0]]]
+        op_keys = [k for k in keys if k.startswith(op + "|")]
+        if not op_keys:
+            continue
+        present = set().union(*(runs[0]["results"][k] for k in op_keys))
+        names = [n for n in impl_names(op) if n in present]
         rows = []
-        for key in keys:
+        for key in op_keys:
             kind, label = key.split("|")
-            if kind != op:
-                continue
-            med = {n: _median_of_runs(runs, key, lambda m, n=n: m[n]) for n in names}
+            have = runs[0]["results"][key]
+            med = {n: _median_of_runs(runs, key, lambda m, n=n: m[n]) for n in names if n in have}
             ratio = {ref: _median_of_runs(runs, key, lambda m, ref=ref: m["fabriclite"] / m[ref])
                      for ref in ("limit", "floor (a)", "floor (b)")}
-            row = [label, *(_fmt(med[n]) for n in names), f"{ratio['limit']:.2f}x", f"{ratio['floor (a)']:.2f}x",
-                   f"{ratio['floor (b)']:.2f}x"]
+            row = [label, *(_fmt(med[n]) if n in med else "-" for n in names), f"{ratio['limit']:.2f}x",
+                   f"{ratio['floor (a)']:.2f}x", f"{ratio['floor (b)']:.2f}x"]
             if "Lightning Fabric" in names:
-                light = _median_of_runs(runs, key, lambda m: m["Lightning Fabric"] / m["fabriclite"])
-                row += [f"{light:.1f}x", " / ".join(str(runs[0]["results"][key][n]["calls"])
-                                                    for n in ("fabriclite", *SLOW))]
+                light = (f"{_median_of_runs(runs, key, lambda m: m['Lightning Fabric'] / m['fabriclite']):.1f}x"
+                         if "Lightning Fabric" in have else "-")
+                row += [light, " / ".join(str(have[n]["calls"]) if n in have else "-" for n in ("fabriclite", *SLOW))]
             rows.append(row)
             goals.extend(_goals(op, label, runs, key))
         headers = ["leaves", *names, "fabriclite / limit", "fabriclite / (a)", "fabriclite / (b)"]
@@ -336,12 +345,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="whole runs, each a fresh pair of ranks (3)")
     parser.add_argument("--calls", type=int, default=200, help="calls for fabriclite, the floors and the limit")
-    parser.add_argument("--budget", type=float, default=10.0, help="seconds per baseline and size")
+    parser.add_argument("--big-calls", type=int, default=40, help="the same for the 16M-float cases")
+    parser.add_argument("--budget", type=float, default=5.0, help="seconds per baseline and size")
     parser.add_argument("--markdown", default=None, help="write the tables into this Markdown file")
     parser.add_argument("--plot", default=None, help="write the plot (PNG) here")
     parser.add_argument("--reduce-op", default="mean", help="all_reduce's op for fabriclite and Lightning Fabric")
     parser.add_argument("--only", default=None, help="only the cases whose 'op label' contains this ('all_reduce 1 x')")
     parser.add_argument("--no-baselines", action="store_true", help="leave Lightning Fabric and the loop out")
+    parser.add_argument("--baselines-up-to", type=int, default=1000,
+                        help="leaves up to which Lightning Fabric and the loop run (seconds per call above; 16M: always)")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="also write every run's raw numbers here")
     args = parser.parse_args()

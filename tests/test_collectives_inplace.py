@@ -130,6 +130,10 @@ def _collections(fabric):
         back = collectives.all_reduce(fabric.strategy, copy, reduce_op="mean", check=check, inplace=True)
         out[f"mean check={check}"] = ({k: back[k] is copy[k] for k in copy},
                                       {k: v.unique().tolist() for k, v in copy.items()})
+    # a large tensor (DDP divides and reduces it in chunks, each divided while the ones before are reduced)
+    huge = torch.full((1_100_000,), 2.0 * (rank + 1))
+    back = fabric.all_reduce({"huge": huge}, inplace=True)
+    out["huge"] = (back["huge"] is huge, huge.unique().tolist())
     # reduce: the result on dst only, every rank's tensors reduced
     r = {"w": torch.tensor([1.0, 2.0]) * (rank + 1)}
     got = fabric.reduce(r, dst=1, reduce_op="sum", inplace=True)
@@ -161,6 +165,7 @@ def test_collections_in_place_on_two_ranks(pool2):
             same, uniques = r[f"mean check={check}"]
             assert all(same.values()), same
             assert uniques == {"a": [1.0], "v": [2.0], "big": [1.5]}
+        assert r["huge"] == (True, [3.0])
         assert r["reduce"] == ((rank != 1), (None if rank != 1 else True), [3.0, 6.0])
         name, message, a, count = r["bad"]
         assert name == "CollectiveMismatchError"

@@ -96,14 +96,14 @@ def pack(ctx: Context, plan: Plan, leaves: Sequence[Any], words: Optional[header
         return []
     out: List[Reduced] = []
     for bucket, divisor in zip(plan.layout.buckets, plan.divisors):
-        if ctx.size == 1:  # one rank: the reduction of one row is a copy (or, in place, the tensor itself)
-            direct = plan.direct_tensor(bucket, leaves, ctx.device) if plan.inplace else None
-            out.append((direct if direct is not None else
-                        buffers.pack(bucket, leaves, ctx.device, copy=True), False, None, None))
-            continue
         direct = plan.direct_tensor(bucket, leaves, ctx.device) if plan.inplace else None
-        if direct is not None:  # the caller's tensor is the wire buffer
-            out.append((direct, False, None, None))
+        if direct is not None:  # the caller's tensor is the wire buffer: a mean divided in place, chunk by
+            # chunk while the chunks before are reduced (by the reduction, after the agreement)
+            split = divisor is not None and ctx.size > 1
+            out.append((direct, split, None, direct if split else None))
+            continue
+        if ctx.size == 1:  # one rank: the reduction of one row is a copy
+            out.append((buffers.pack(bucket, leaves, ctx.device, copy=True), False, None, None))
             continue
         slot = None if plan.inplace else _pooled_single(ctx, bucket, leaves)
         if slot is not None:
@@ -155,13 +155,13 @@ def wire(ctx: Context, plan: Plan, packed: List[Reduced], words: Optional[header
         return packed
     out = []
     for buf, divided, slot, source in packed:
-        if source is not None:
-            result = ctx.strategy.flat_all_reduce_copy(buf, source, plan.primitive, ctx.group,
+        flat = buf.view(-1)
+        if source is not None:  # source may be buf itself (inplace): the copy is then the division alone
+            result = ctx.strategy.flat_all_reduce_copy(flat, source.reshape(-1), plan.primitive, ctx.group,
                                                        ctx.size if divided else None)
         else:
-            flat = buf.view(-1)
             result = ctx.strategy.flat_all_reduce(flat, plan.primitive, ctx.group)
-            result = buf if result is flat else result.view(buf.shape)
+        result = buf if result is flat else result.view(buf.shape)
         out.append((result, divided, slot if result is buf else None, None))
     return out
 

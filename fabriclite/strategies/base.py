@@ -277,7 +277,8 @@ class Strategy(ABC):
     def flat_all_reduce_copy(self, out: Tensor, tensor: Tensor, op: str = "sum", group: Any = None,
                         divisor: Optional[int] = None) -> Tensor:
         """``out`` (flat, contiguous, ``tensor``'s numel and dtype) set to the reduction over the group of
-        ``tensor`` (divided by ``divisor`` first when given); ``tensor`` is left unchanged. Returns the
+        ``tensor`` (divided by ``divisor`` first when given); ``tensor`` is left unchanged, unless it is ``out``
+        itself (then it is divided and reduced in place, as ``flat_all_reduce`` would after a division). Returns the
         result, ``out`` itself unless the strategy's all_reduce returns a new tensor. Strategies that can
         overlap the copy with the reduction override this."""
         copy_into(out, tensor, divisor)
