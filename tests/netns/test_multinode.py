@@ -198,7 +198,7 @@ def test_hostname_on_loopback_like_debian(cluster: Cluster, tmp_path: Path) -> N
         for k, (h, text) in enumerate(zip(hosts, originals)):
             head, _, rest = text.partition("\n")  # keep the tag line first: the fixture knows its files by it
             h.write_text(f"{head}\n127.0.1.1 {cluster.host(k)}\n{rest}")
-        ended = run_job(cluster, tmp_path, [(k, cli(cluster, k, 29507), env(FABRICLITE_TIMEOUT="20"))
+        ended = run_job(cluster, tmp_path, [(k, cli(cluster, k, 29507), env())
                                             for k in range(NODES)])
         check_job(cluster, ended, "FabricliteEnvironment")
     finally:
