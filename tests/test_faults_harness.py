@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
-#: how long after the fault a job may take to end (detection is ~0.1 s; the rest is a loaded machine)
-END_BOUND_S = 10.0
+#: how long after the fault a job may take to end. Detection is ~0.1 s; ending the ranks and the supervisor (the
+#: interpreters' teardown of torch) took 0.6-1.5 s at load 20, and up to 13.7 s there with two more busy processes;
+#: jobs that wait for a timeout instead would take 30 min (the default), so 20 s still tells them apart
+END_BOUND_S = 20.0
 FAULT_SCRIPT = r'''
 import json, os, signal, subprocess, sys, time
 

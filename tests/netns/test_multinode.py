@@ -175,8 +175,9 @@ def test_openmpi(cluster: Cluster, tmp_path: Path) -> None:
 
 def test_fault_on_node1_ends_every_node(cluster: Cluster, tmp_path: Path) -> None:
     failing = PER_NODE + 1  # global rank 3: local rank 1 on node 1
-    ended = run_job(cluster, tmp_path, [(k, cli(cluster, k, 29506), env(JOB_FAIL_RANK=failing)) for k in range(NODES)],
-                    timeout=60)
+    # the run's deadline only guards against a hang (starting 9 processes that import torch takes minutes on a
+    # loaded machine); what is asserted is how soon every node ended after the rank raised
+    ended = run_job(cluster, tmp_path, [(k, cli(cluster, k, 29506), env(JOB_FAIL_RANK=failing)) for k in range(NODES)])
     raised = [json.loads(line[len("RAISING "):]) for e in ended for line in e.out.splitlines()
               if line.startswith("RAISING ")]
     assert [r["rank"] for r in raised] == [failing], describe(ended)
@@ -197,8 +198,8 @@ def test_hostname_on_loopback_like_debian(cluster: Cluster, tmp_path: Path) -> N
         for k, (h, text) in enumerate(zip(hosts, originals)):
             head, _, rest = text.partition("\n")  # keep the tag line first: the fixture knows its files by it
             h.write_text(f"{head}\n127.0.1.1 {cluster.host(k)}\n{rest}")
-        ended = run_job(cluster, tmp_path, [(k, cli(cluster, k, 29507), env(FABRICLITE_TIMEOUT="20"))
-                                            for k in range(NODES)], timeout=90)
+        ended = run_job(cluster, tmp_path, [(k, cli(cluster, k, 29507), env())
+                                            for k in range(NODES)])
         check_job(cluster, ended, "FabricliteEnvironment")
     finally:
         for h, text in zip(hosts, originals):
