@@ -8,7 +8,7 @@ import torch
 from fabriclite import Fabric
 
 fabric = Fabric(accelerator="cpu", devices=2)
-fabric.launch()  # from here on, this code runs once per rank
+fabric.launch()  # from here on, this code runs once per rank (under `fabriclite run`: a no-op)
 
 print(
     f"rank {fabric.global_rank}: world_size={fabric.world_size} global_rank={fabric.global_rank} "

@@ -17,6 +17,8 @@ def attach(fabric: Any, module: Any, callbacks: List[Any], optimizers: Optional[
     ``optimizers``: the wrapped optimizers from ``setup`` (stored as ``_fabric_optimizers``); None from
     ``setup_module`` (nothing stored). ``callbacks``: the Fabric's callback list, appended to in place.
     """
+    if type(module).__name__ == "OptimizedModule":  # torch.compile'd: hook up the module inside, as Lightning
+        module = getattr(module, "_orig_mod", module)
     if not hasattr(module, "_fabric"):
         return
     module._fabric = fabric
