@@ -331,8 +331,8 @@ class Fabric:
         reaches torch.distributed (Lightning's rule: every strategy but the single-device one)."""
         if not self._launched and not self._strategy.single_device:
             raise RuntimeError(f"fabric.{what}() with strategy={self._strategy.name!r} needs this process to join the "
-                               "job first: call fabric.launch() before it (under torchrun / srun / mpirun too), or "
-                               "start the script with `fabriclite run`.")
+                               "job: call fabric.launch() first (under torchrun / srun / mpirun too), or start the "
+                               "script with `fabriclite run`.")
 
     # ------------------------------------------------------------------ printing and collectives
     def print(self, *args: Any, **kwargs: Any) -> None:

@@ -76,12 +76,12 @@ if __name__ == "__main__":
     from fabriclite import Fabric
 
     strategy = {"script": "ddp", "spawn": "ddp_spawn", "fork": "ddp_fork"}[MODE]
+    leader = {"pgid": os.getpid()} if os.getpgid(0) == os.getpid() else {}  # a rank under the CLI
+    say(before_launch=time.time(), pid=os.getpid(), **leader)  # under the CLI, Fabric() joins the job
     if os.environ.get("UNDER_CLI"):
         fabric = Fabric()
     else:
         fabric = Fabric(accelerator="cpu", devices=int(os.environ.get("DEVICES", "2")), strategy=strategy)
-    leader = {"pgid": os.getpid()} if os.getpgid(0) == os.getpid() else {}  # a rank under the CLI
-    say(before_launch=time.time(), pid=os.getpid(), **leader)
     if MODE == "script":
         fabric.launch()
         work(fabric)
