@@ -5,9 +5,11 @@ module defines it; elsewhere its non-underscore classes and functions from ``lig
 the mirrored ``fabriclite`` path. For a class, so must each of its non-underscore methods and properties, and
 every function, method and ``__init__`` must take Lightning's parameters: the same names, at the same positions
 when Lightning's are positional, with the same defaults (fabriclite may add parameters after them or make
-keyword-only ones positional too). The exceptions are the rows of the table in docs/compat.md, which this test
-reads: ``absent`` and ``different`` rows exempt their name (and, for an absent class or ``Name.__init__``, what
-is under it); ``Name(param)`` exempts one parameter.
+keyword-only ones positional too); a Lightning property may be a property or an attribute every instance gets
+in ``__init__``. The exceptions are the rows of the table in docs/compat.md, which this test reads: an ``absent``
+or ``different`` row exempts its name and everything under it (a class's members); a row for a member covers the
+same member of the Lightning subclasses; ``Name(param)`` exempts one parameter. The rows are checked too: each
+names a real Lightning object, an ``absent`` one is really absent from fabriclite, the others really present.
 """
 from __future__ import annotations
 
