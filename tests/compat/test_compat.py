@@ -4,8 +4,8 @@ usage) run under Lightning Fabric and under fabriclite from the same source, wit
 or its own spawn launcher; 2 CPU ranks, ddp. Their results must be bit-identical: weights, losses, logged
 metric values, return values.
 
-One job per framework and launch mode runs every program of that mode (ten programs in all) (the four jobs run at once); each test
-compares one program's results, rank by rank, and checks something about them that does not depend on the
+Ten programs. One job per framework and launch mode runs every program of that mode (the four jobs run at
+once); each test compares one program's results, rank by rank, and checks something about them that does not depend on the
 other framework (ranks agree after a sync, a resumed run matches the uninterrupted one, ...).
 """
 from __future__ import annotations
