@@ -5,8 +5,8 @@ or its own spawn launcher; 2 CPU ranks, ddp. Their results must be bit-identical
 metric values, return values.
 
 Ten programs. One job per framework and launch mode runs every program of that mode (the four jobs run at
-once); each test compares one program's results, rank by rank, and checks something about them that does not depend on the
-other framework (ranks agree after a sync, a resumed run matches the uninterrupted one, ...).
+once); each test compares one program's results, rank by rank, and checks something about them that does not
+depend on the other framework (ranks agree after a sync, a resumed run matches the uninterrupted one, ...).
 """
 from __future__ import annotations
 
