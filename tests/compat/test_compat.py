@@ -23,7 +23,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+#: the first test waits for the four jobs (about 2 minutes at a load average of 20 on 2 cores)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 HERE = Path(__file__).resolve().parent
 JOB = str(HERE / "job.py")
@@ -31,7 +32,7 @@ FRAMEWORKS = ("lightning.fabric", "fabriclite")
 CLI_PROGRAMS = ["prog_cli_script", "prog_lightning_module", "prog_loggers", "prog_torchmetrics", "prog_callbacks",
                 "prog_checkpoint", "prog_grad_accum", "prog_collectives"]
 SPAWN_PROGRAMS = ["prog_launch_spawn", "prog_run_subclass"]
-JOB_TIMEOUT = 240
+JOB_TIMEOUT = 480
 
 
 def free_port() -> int:
