@@ -199,9 +199,11 @@ def _pump(stream: Optional[IO[bytes]], sink: IO[str], rank: int, tag: str, log: 
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     with stream:
         fd = stream.fileno()
+        poller = select.poll()  # no FD_SETSIZE limit, unlike select()
+        poller.register(fd, select.POLLIN)
         pending = b""
         while True:
-            if pending and b"\r" not in pending and not select.select([fd], [], [], 0.05)[0]:
+            if pending and b"\r" not in pending and not poller.poll(50):
                 _forward(sink, rank, tag, log, lock, decoder.decode(pending))  # a flush mid-line: show it
                 pending = b""
                 continue
