@@ -1,6 +1,7 @@
 """API conformance against the installed Lightning Fabric (issue 12).
 
-For each module of ``lightning.fabric`` that users import from, every public name (``__all__`` where the
+For each module of ``lightning.fabric`` that users import from (the package, strategies, accelerators, plugins,
+loggers, utilities, wrappers, and plugins.environments), every public name (``__all__`` where the
 module defines it; elsewhere its non-underscore classes and functions from ``lightning.fabric``) must exist at
 the mirrored ``fabriclite`` path. For a class, so must each of its non-underscore methods and properties, and
 every function, method and ``__init__`` must take Lightning's parameters: the same names, at the same positions
@@ -37,6 +38,7 @@ MODULES: Dict[str, str] = {
     "lightning.fabric.loggers": "loggers.",
     "lightning.fabric.utilities": "utilities.",
     "lightning.fabric.wrappers": "wrappers.",
+    "lightning.fabric.plugins.environments": "plugins.environments.",
 }
 STATUSES = ("same", "different", "absent")
 ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|\s*([^|]*?)\s*\|\s*([^|]*?)\s*\|\s*([^|]*?)\s*\|\s*$")
@@ -235,8 +237,14 @@ def init_attributes(cls: type) -> Set[str]:
     return found
 
 
+def _takes_nothing(self: Any) -> None:
+    """What ``object.__init__`` takes: a class without its own ``__init__``."""
+
+
 def _lookup(cls: type, name: str) -> Any:
     for klass in cls.__mro__:
+        if klass is object:
+            return _takes_nothing if name == "__init__" else None
         if name in vars(klass):
             return vars(klass)[name]
     return None
