@@ -1,13 +1,16 @@
 """API conformance against the installed Lightning Fabric (issue 12).
 
-For each module of ``lightning.fabric`` that users import from, every public name (``__all__`` where the
+For each module of ``lightning.fabric`` that users import from (the package, strategies, accelerators, plugins,
+loggers, utilities, wrappers, and plugins.environments), every public name (``__all__`` where the
 module defines it; elsewhere its non-underscore classes and functions from ``lightning.fabric``) must exist at
 the mirrored ``fabriclite`` path. For a class, so must each of its non-underscore methods and properties, and
 every function, method and ``__init__`` must take Lightning's parameters: the same names, at the same positions
 when Lightning's are positional, with the same defaults (fabriclite may add parameters after them or make
-keyword-only ones positional too). The exceptions are the rows of the table in docs/compat.md, which this test
-reads: ``absent`` and ``different`` rows exempt their name (and, for an absent class or ``Name.__init__``, what
-is under it); ``Name(param)`` exempts one parameter.
+keyword-only ones positional too); a Lightning property may be a property or an attribute every instance gets
+in ``__init__``. The exceptions are the rows of the table in docs/compat.md, which this test reads: an ``absent``
+or ``different`` row exempts its name and everything under it (a class's members); a row for a member covers the
+same member of the Lightning subclasses; ``Name(param)`` exempts one parameter. The rows are checked too: each
+names a real Lightning object, an ``absent`` one is really absent from fabriclite, the others really present.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ MODULES: Dict[str, str] = {
     "lightning.fabric.loggers": "loggers.",
     "lightning.fabric.utilities": "utilities.",
     "lightning.fabric.wrappers": "wrappers.",
+    "lightning.fabric.plugins.environments": "plugins.environments.",
 }
 STATUSES = ("same", "different", "absent")
 ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|\s*([^|]*?)\s*\|\s*([^|]*?)\s*\|\s*([^|]*?)\s*\|\s*$")
@@ -233,8 +237,14 @@ def init_attributes(cls: type) -> Set[str]:
     return found
 
 
+def _takes_nothing(self: Any) -> None:
+    """What ``object.__init__`` takes: a class without its own ``__init__``."""
+
+
 def _lookup(cls: type, name: str) -> Any:
     for klass in cls.__mro__:
+        if klass is object:
+            return _takes_nothing if name == "__init__" else None
         if name in vars(klass):
             return vars(klass)[name]
     return None

@@ -222,3 +222,49 @@ def test_seed_everything_workers_default_matches_lightning(monkeypatch):
     assert os.environ["PL_SEED_WORKERS"] == theirs == "0"
     fabriclite.Fabric.seed_everything(3, verbose=False)
     assert os.environ["PL_SEED_WORKERS"] == "1"  # Fabric.seed_everything defaults workers to True, as Lightning's
+
+
+def _throughput_run(make):
+    meter = make()
+    out = []
+    for i in range(1, 7):
+        meter.update(time=0.5 * i + 0.01 * i * i, batches=i, samples=4 * i, lengths=40 * i, flops=1000 + i)
+        out.append(meter.compute())
+    with pytest.raises(ValueError, match="increase"):
+        meter.update(time=0.1, batches=99, samples=99)
+    meter.reset()
+    meter.update(time=9.0, batches=1, samples=1)
+    return out, meter.compute()
+
+
+def test_throughput_matches_lightning():
+    for kwargs in ({}, {"world_size": 2, "window_size": 3, "available_flops": 50.0, "separator": "|"}):
+        ours = _throughput_run(lambda: utilities.Throughput(**kwargs))
+        theirs = _throughput_run(lambda: lightning_utilities.Throughput(**kwargs))
+        assert ours == theirs, kwargs
+    assert "device|mfu" in ours[0][-1] and "flops_per_sec" in ours[0][-1]
+
+
+def test_throughput_monitor_logs_like_lightnings():
+    import lightning.fabric as lf
+
+    def run(fabric_module, utils):
+        class Recorder(fabric_module.loggers.Logger):
+            name, version = "r", 0
+            records = []
+
+            def log_metrics(self, metrics, step=None):
+                self.records.append((dict(metrics), step))
+
+            def log_hyperparams(self, params, *args, **kwargs):
+                pass
+
+        recorder = Recorder()
+        fabric = fabric_module.Fabric(accelerator="cpu", devices=1, loggers=recorder)
+        monitor = utils.ThroughputMonitor(fabric, window_size=2)
+        for i in range(1, 4):
+            monitor.update(time=float(i), batches=i, samples=2 * i)
+            monitor.compute_and_log(step=None if i < 3 else 10)
+        return recorder.records
+
+    assert run(fabriclite, utilities) == run(lf, lightning_utilities)

@@ -55,4 +55,5 @@ def __getattr__(name: str) -> Any:  # lazy: `from fabriclite.strategies import H
     raise AttributeError(f"module 'fabriclite.strategies' has no attribute {name!r}")
 
 
-__all__ = ["DDPStrategy", "ParallelStrategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "create_strategy", "strategy_class"]
+__all__ = ["DDPStrategy", "ParallelStrategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "create_strategy",
+           "strategy_class"]

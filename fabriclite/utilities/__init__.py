@@ -12,13 +12,15 @@ from fabriclite.utilities.apply_func import move_data_to_device
 from fabriclite.utilities.data import AttributeDict, suggested_max_num_workers
 from fabriclite.utilities.distributed import is_shared_filesystem
 from fabriclite.utilities.enums import LightningEnum
-from fabriclite.utilities.throughput import measure_flops
+from fabriclite.utilities.throughput import Throughput, ThroughputMonitor, measure_flops
 from fabriclite.utilities.warnings import PossibleUserWarning, disable_possible_user_warnings
 
 __all__ = [
     "AttributeDict",
     "LightningEnum",
     "PossibleUserWarning",
+    "Throughput",
+    "ThroughputMonitor",
     "disable_possible_user_warnings",
     "is_shared_filesystem",
     "measure_flops",

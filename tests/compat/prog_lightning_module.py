@@ -1,6 +1,6 @@
 """A LightningModule driven by Fabric (Lightning's "LightningModule with Fabric" guide): manual optimization
-with ``self.optimizers()`` and ``self.manual_backward`` (outside the forward, as DDP needs), ``self.log`` / ``self.log_dict`` to Fabric's loggers,
-``self.all_gather``, and its hooks reached through ``fabric.call``."""
+with ``self.optimizers()`` and ``self.manual_backward`` (outside the forward, as DDP needs), ``self.log`` /
+``self.log_dict`` to Fabric's loggers, ``self.all_gather``, and its hooks reached through ``fabric.call``."""
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule

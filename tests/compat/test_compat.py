@@ -4,9 +4,9 @@ usage) run under Lightning Fabric and under fabriclite from the same source, wit
 or its own spawn launcher; 2 CPU ranks, ddp. Their results must be bit-identical: weights, losses, logged
 metric values, return values.
 
-One job per framework and launch mode runs every program of that mode (the four jobs run at once); each test
-compares one program's results, rank by rank, and checks something about them that does not depend on the
-other framework (ranks agree after a sync, a resumed run matches the uninterrupted one, ...).
+Ten programs. One job per framework and launch mode runs every program of that mode (the four jobs run at
+once); each test compares one program's results, rank by rank, and checks something about them that does not
+depend on the other framework (ranks agree after a sync, a resumed run matches the uninterrupted one, ...).
 """
 from __future__ import annotations
 
@@ -17,21 +17,23 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+#: the first test waits for the four jobs (about 2 minutes at a load average of 20 on 2 cores)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 HERE = Path(__file__).resolve().parent
 JOB = str(HERE / "job.py")
 FRAMEWORKS = ("lightning.fabric", "fabriclite")
 CLI_PROGRAMS = ["prog_cli_script", "prog_lightning_module", "prog_loggers", "prog_torchmetrics", "prog_callbacks",
-                "prog_checkpoint", "prog_grad_accum"]
+                "prog_checkpoint", "prog_grad_accum", "prog_collectives"]
 SPAWN_PROGRAMS = ["prog_launch_spawn", "prog_run_subclass"]
-JOB_TIMEOUT = 240
+JOB_TIMEOUT = 480
 
 
 def free_port() -> int:
@@ -73,9 +75,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Dict[str, Any
         jobs[framework, "spawn"] = start([sys.executable, JOB, str(spawn_dir), "spawn", *SPAWN_PROGRAMS], framework,
                                          spawn_dir)
     out: Dict[str, Dict[str, Any]] = {f: {"output": ""} for f in FRAMEWORKS}
+    deadline = time.monotonic() + JOB_TIMEOUT  # one deadline for the four jobs running at once
     for (framework, mode), proc in jobs.items():
         try:
-            proc.wait(timeout=JOB_TIMEOUT)
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -207,6 +210,21 @@ def test_gradient_accumulation_no_backward_sync(results):
     ranks = assert_identical(results, "cli", "prog_grad_accum")
     same_on_both_ranks(ranks, "weights")
     assert not torch.equal(ranks[0]["local_grads"], ranks[1]["local_grads"])  # not synced while accumulating
+
+
+def test_collectives_page(results):
+    ranks = assert_identical(results, "cli", "prog_collectives")
+    lr0, lr1 = ranks[0]["learning_rate"], ranks[1]["learning_rate"]
+    assert not torch.equal(lr0, lr1)  # the data differed: the collectives below had something to do
+    for r in ranks:
+        assert r["dataset"] == "downloaded by rank 0"
+        assert torch.equal(r["broadcast"], lr0) and torch.equal(r["broadcast_src1"], lr1)
+        assert torch.equal(r["all_gather"], torch.tensor([0, 10])) and r["all_reduce_sum"].item() == 10
+        assert torch.equal(r["all_reduce_max"], torch.maximum(lr0, lr1))
+        assert torch.equal(r["strategy_all_reduce"], lr0 + lr1)
+        assert r["strategy_broadcast"]["from"] == 0 and (r["decision_all"], r["decision_any"]) == (False, True)
+        assert torch.equal(r["strategy_all_gather"], torch.tensor([[0.0, 1.0], [1.0, 2.0]]))
+    same_on_both_ranks(ranks, "all_reduce_collection")
 
 
 def test_launch_spawn_returns_rank_zero_result(results):
