@@ -308,8 +308,9 @@ def write_plot(path: str, runs: List[Dict[str, Any]]) -> bool:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    styles = {"fabriclite": "o-", "fabriclite inplace": "o--", "floor (a)": "v-", "floor (b)": "^-", "limit": "k-",
-              "Lightning Fabric": "s--", "per-leaf loop": "x:"}
+    styles = {"fabriclite": ("o-", "C0"), "fabriclite inplace": ("o--", "C1"), "floor (a)": ("v-", "C2"),
+              "floor (b)": ("^-", "C3"), "limit": ("-", "k"), "Lightning Fabric": ("s--", "C4"),
+              "per-leaf loop": ("x:", "C5")}
     for ax, op in zip(axes, ("all_reduce", "all_gather")):
         for name in impl_names(op):
             if name not in styles:
@@ -321,14 +322,14 @@ def write_plot(path: str, runs: List[Dict[str, Any]]) -> bool:
                     xs.append(n)
                     ys.append(_median_of_runs(runs, key, lambda m: m[name]) * 1e3)
             if xs:
-                ax.plot(xs, ys, styles[name], label=name)
+                ax.plot(xs, ys, styles[name][0], color=styles[name][1], label=name)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("0-d tensors in the dict")
         ax.set_ylabel(f"ms per call (median of {len(runs)} runs)")
         ax.set_title(f"{op}, 2 CPU ranks (gloo)")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
