@@ -19,17 +19,15 @@ the job into one clear ending.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Protocol, Set
+from typing import Any, Callable, Dict, List, Optional, Protocol, Set
 
 from fabriclite import rendezvous
 from fabriclite.environments.fabriclite_env import child_env

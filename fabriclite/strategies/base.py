@@ -31,7 +31,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 import warnings
 from contextlib import nullcontext
-from typing import (TYPE_CHECKING, Any, Callable, Collection, ContextManager, Dict, FrozenSet, Iterator, List,
+from typing import (TYPE_CHECKING, Any, ContextManager, Dict, FrozenSet, Iterator, List,
                     Optional, Tuple)
 
 import torch
