@@ -316,6 +316,6 @@ def test_a_killed_sharded_save_keeps_the_previous_one_and_resume_is_bit_exact(tm
     assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     assert torch.load(os.path.join(path, "meta.pt"), weights_only=True) == {"step": 3}  # the previous one
     resumed = python(script, path, "resume", timeout=180)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, (resumed.stdout[-1500:], resumed.stderr[-3000:])
     (line,) = [line for line in resumed.stdout.splitlines() if line.startswith("DIGEST")]
     assert line.split()[1:] == [uninterrupted[0], "STEP", "3"]  # bit for bit
