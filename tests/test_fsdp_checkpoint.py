@@ -157,8 +157,9 @@ def _failing_saves(fabric, root):
     with pytest.raises(Exception) as info:  # meta.pt cannot pickle a lambda: rank 0's write fails after the shards
         fsdp.save(path, {"model": model, "optimizer": opt, "version": 2, "bad": lambda: 0})
     out["error"] = f"{type(info.value).__name__}: {info.value}"
-    fsdp.strategy.barrier()
+    fsdp.strategy.barrier()  # rank 0 has removed the failed save's temporary directory
     out["after_failure"] = sorted(os.listdir(root))
+    fsdp.strategy.barrier()  # every rank has listed the folder before rank 0 changes it
     # a crash between the renames: the old checkpoint aside, the new one not yet in
     if fsdp.global_rank == 0:
         os.rename(path, os.path.join(root, ".ckpt.old-deadbeef"))
