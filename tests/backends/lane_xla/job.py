@@ -50,6 +50,18 @@ def xla_placement(fabric: Fabric, out: str) -> None:
     assert xm.xla_device_hw(fabric.device) == "CPU"
 
 
+def _linear(seed: int) -> torch.nn.Linear:
+    """A Linear(3, 2) whose parameters come from its own generator: in the two-device mode the ranks are threads of
+    one process, so torch's global RNG is shared and ``torch.manual_seed`` on one rank would race the other's
+    initialisation (CI once saw rank 0's bias drawn after rank 1 reseeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return layer
+
+
 @checks.check
 def xla_setup_and_checkpoint_without_training(fabric: Fabric, out: str) -> None:
     """Checkpoints without training: each rank builds its model from its own seed; ``setup`` gives every rank global
@@ -58,17 +70,13 @@ def xla_setup_and_checkpoint_without_training(fabric: Fabric, out: str) -> None:
     in plain torch)."""
     rank, world = fabric.global_rank, fabric.world_size
     synced = world == 1 or fabric.strategy.sync_module_states
-    torch.manual_seed(100 + rank)
-    model = fabric.setup(torch.nn.Linear(3, 2))
-    torch.manual_seed(100 if synced else 100 + rank)
-    own = [p.detach().clone() for p in torch.nn.Linear(3, 2).parameters()]  # what setup must leave on this rank
-    torch.manual_seed(100)
-    reference = [p.detach().clone() for p in torch.nn.Linear(3, 2).parameters()]  # rank 0's, in plain torch
+    model = fabric.setup(_linear(100 + rank))
+    own = [p.detach().clone() for p in _linear(100 if synced else 100 + rank).parameters()]  # what setup must leave
+    reference = [p.detach().clone() for p in _linear(100).parameters()]  # rank 0's, in plain torch
     got = [p.detach().cpu() for p in model.parameters()]
     path = os.path.join(out, f"xla-ckpt-world{world}.pt")
     fabric.save(path, {"model": model, "step": 3})
-    torch.manual_seed(200 + rank)
-    fresh = fabric.setup(torch.nn.Linear(3, 2))
+    fresh = fabric.setup(_linear(200 + rank))
     rest = fabric.load(path, {"model": fresh})
     loaded = [p.detach().cpu() for p in fresh.parameters()]
     raw = torch.load(path, map_location="cpu", weights_only=True)
