@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fabriclite import rendezvous
 from fabriclite.network import gloo_interface
+from fabriclite.strategies import gloo_exit
 from fabriclite.strategies.base import copy_into
 from fabriclite.strategies.parallel import ParallelStrategy
 from fabriclite.launchers.output import prefixed_by_supervisor
@@ -225,6 +226,8 @@ class DDPStrategy(ParallelStrategy):
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
+        if dist.is_initialized() and "gloo" in str(dist.get_backend()):
+            gloo_exit.wait_for_idle_workers()  # else a worker's late release can abort the rank at exit
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False

@@ -4,6 +4,7 @@
 ``spawn``: a plain ``python`` process whose programs launch their own ranks; writes ``OUTDIR/spawn.pt``.
 A program that raises is recorded as ``{"error": traceback}`` and the next one runs.
 """
+import atexit
 import importlib
 import os
 import sys
@@ -12,6 +13,25 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _destroy_group_at_exit() -> None:
+    """Lightning Fabric leaves a rank's process group alive when the rank ends (fabriclite's teardown does what
+    follows itself, so this is a no-op there). A gloo worker thread that releases a finished collective after the
+    interpreter started shutting down kills the rank with SIGABRT ("terminate called without an active exception",
+    pytorch#179291) after its results are sent. So, while the interpreter is whole: wait for gloo's workers to go
+    idle (fabriclite.strategies.gloo_exit says why), then destroy the group, as torch asks every program to. It
+    runs in every rank, ``cli`` or spawned (a spawned rank imports this file as ``__mp_main__``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from fabriclite.strategies.gloo_exit import wait_for_idle_workers
+
+        wait_for_idle_workers()
+        dist.destroy_process_group()
+
+
+atexit.register(_destroy_group_at_exit)
 
 
 def run_all(outdir, names):
