@@ -105,6 +105,25 @@ def all_reduce_bitwise(fabric: Any, out: str) -> None:
 
 
 @check
+def all_reduce_inplace(fabric: Any, out: str) -> None:
+    """``inplace=True``: the caller's tensors hold the result and come back as the same objects; a small leaf (the
+    header path), a large one (reduced where it is, or copied back where the backend cannot) and a mean."""
+    world, rank = fabric.world_size, fabric.global_rank
+    small, big = torch.tensor([1.0, 2.0, 3.0]), torch.arange(300_000, dtype=torch.float32)  # big: beyond inline
+    data = {"small": (small * (rank + 1)).to(fabric.device), "big": (big * (rank + 1)).to(fabric.device),
+            "n": rank + 1}
+    mine = (data["small"], data["big"])
+    res = fabric.all_reduce(data, reduce_op="sum", inplace=True)
+    total = sum(r + 1 for r in range(world))
+    assert res["small"] is mine[0] and res["big"] is mine[1], "inplace=True must hand back the caller's tensors"
+    assert torch.equal(mine[0].cpu(), small * total) and torch.equal(mine[1].cpu(), big * total), (mine[0], mine[1])
+    assert int(res["n"]) == total, res["n"]
+    x = torch.full((4,), float(2 * rank)).to(fabric.device)
+    mean = fabric.all_reduce(x, reduce_op="mean", inplace=True)
+    assert mean is x and close(x.cpu(), torch.full((4,), float(world - 1))), x
+
+
+@check
 def all_gather_nested(fabric: Any, out: str) -> None:
     world, rank = fabric.world_size, fabric.global_rank
     res = cpu(fabric.all_gather(data_of(rank)))

@@ -27,8 +27,8 @@ from fabriclite import Fabric  # noqa: E402
 #: save_load run at world size 1 only; at world size 2 run every collective (one graph each), rank_zero_first over
 #: the no-store path, the data loader's sharding and a checkpoint's save/load without training, with
 #: XLAStrategy(sync_module_states=False) (setup's broadcast is the two-collective graph above).
-THREADED = ["rank_properties", "all_reduce_nested", "all_reduce_bitwise", "all_gather_nested",
-            "all_gather_uneven_cat", "broadcast_and_objects", "gather_reduce_barrier", "rank_zero_first_order",
+THREADED = ["rank_properties", "all_reduce_nested", "all_reduce_bitwise", "all_reduce_inplace",
+            "all_gather_nested", "all_gather_uneven_cat", "broadcast_and_objects", "gather_reduce_barrier", "rank_zero_first_order",
             "rank_zero_first_failure", "lightning_strategy_all_reduce", "xla_setup_and_checkpoint_without_training",
             "xla_dataloader_shards"]
 
