@@ -11,15 +11,23 @@ from typing import Dict, Optional
 
 import pytest
 
-from restart_harness import (REFERENCE, fabriclite_run, keep_reference, reference_job, run_many, same,
-                             weights)
+from restart_harness import REFERENCE, keep_reference, reference_job, run_many, same, weights
+
+
+#: bad flags and the message each must end with (one error line, exit 2, before anything starts)
+BAD_FLAGS = [
+    (["--max-restarts", "-1"], "--max-restarts='-1': expected a whole number >= 0"),
+    (["--max-restarts", "two"], "--max-restarts='two': expected a whole number >= 0"),
+    (["--restart-window", "soon"], "--restart-window='soon': expected a number of seconds"),
+]
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
     """Every job of this module at once (and the uninterrupted reference run if no test made it yet): name ->
     (CompletedProcess, its directory)."""
-    tmp = {name: tmp_path_factory.mktemp(name) for name in ("kill", "save", "used_up", "rendezvous", "reference")}
+    names = ("kill", "save", "used_up", "rendezvous", "reference", *(f"bad_{i}" for i in range(len(BAD_FLAGS))))
+    tmp = {name: tmp_path_factory.mktemp(name) for name in names}
 
     def job(name, flags, **env):
         return flags, {"CKPT_DIR": str(tmp[name] / "ckpt"), "OUT": str(tmp[name] / "w.pt"), **env}
@@ -29,6 +37,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
         "save": job("save", ["--max-restarts", "1"], KILL_IN_SAVE="15"),
         "used_up": job("used_up", ["--max-restarts", "1"], KILL_AT="3:1", KILL_ALWAYS="1", STEPS="6"),
         "rendezvous": job("rendezvous", ["--max-restarts", "2"], KILL_AT="3:0", FAIL_EARLY="1:1", STEPS="6"),
+        **{f"bad_{i}": job(f"bad_{i}", flags) for i, (flags, _) in enumerate(BAD_FLAGS)},  # with the others
     }
     if not REFERENCE:
         specs["reference"] = reference_job(tmp["reference"])
@@ -111,17 +120,13 @@ def test_script_mode_restarts_with_max_restarts_in_the_code(jobs):
         "RANK 0 ROUND 1 MAX 1", "RANK 1 ROUND 1 MAX 1"]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--max-restarts", "-1"], "--max-restarts='-1': expected a whole number >= 0"),
-    (["--max-restarts", "two"], "--max-restarts='two': expected a whole number >= 0"),
-    (["--restart-window", "soon"], "--restart-window='soon': expected a number of seconds"),
-])
-def test_bad_restart_flags_are_one_error_line_before_anything_starts(tmp_path, flags, message):
-    done = fabriclite_run(flags, {"CKPT_DIR": str(tmp_path)}, timeout=60)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == f"fabriclite run: error: {message}" or \
-        done.stderr.strip().splitlines()[-1].startswith(f"fabriclite run: error: {message}"), done.stderr
-    assert not os.listdir(tmp_path)
+@pytest.mark.parametrize("index", range(len(BAD_FLAGS)), ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_restart_flags_are_one_error_line_before_anything_starts(jobs, index):
+    done, tmp_path = jobs[f"bad_{index}"]  # started with the module's other jobs (each start-up imports torch)
+    message = BAD_FLAGS[index][1]
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.strip().splitlines()[-1].startswith(f"fabriclite run: error: {message}"), done.stderr
+    assert not os.listdir(tmp_path)  # nothing started: no checkpoint directory
 
 
 def _conflict(env: Optional[Dict[str, str]], **kwargs):
