@@ -4,8 +4,9 @@ gloo runs each collective on a worker thread of its own (named ``pt_gloo_runloop
 finished work a moment *after* the caller's ``wait()`` returns. Dropping it releases the work's tensors, and with
 torch's PyObject preservation that takes the GIL. If the rank has meanwhile reached interpreter shutdown, taking the
 GIL ends the worker thread inside a C++ destructor and the whole process dies of SIGABRT ("terminate called without
-an active exception", pytorch#179291 / #190489): a finished job reported as a crash. A worker that is mid-release
-while the group's last reference is dropped deadlocks instead (the destructor joins the worker under the GIL).
+an active exception", pytorch#179291 / #190489): a finished job reported as a crash. (Dropping the group's last
+reference at that moment is no cure: its destructor joins the worker from a thread that holds the GIL the worker
+is waiting for.)
 
 ``destroy_process_group`` does not stop gloo's threads while anything (a DDP or FSDP module, say) still refers to
 the group, so the only safe point is before teardown: wait, with the GIL released, until no worker is running.
