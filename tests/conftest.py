@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import test modules and pool
 
+from helpers import CLUSTER_VARS  # noqa: E402
 from pool import RankPool  # noqa: E402
 
 
@@ -31,3 +32,19 @@ def pool2() -> Iterator[RankPool]:
 def pool3() -> Iterator[RankPool]:
     """Three ranks on one gloo process group."""
     yield from _pool(3)
+
+
+@pytest.fixture(scope="module")
+def pool4() -> Iterator[RankPool]:
+    """Four ranks on one gloo process group, for one test module (its ranks may keep that module's state)."""
+    yield from _pool(4)
+
+
+@pytest.fixture
+def no_launch_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """This test's environment without scheduler / launcher variables (helpers.CLUSTER_VARS) or Lightning's CLI
+    variables (LT_*): a Fabric made here sees a plain process. Returns ``monkeypatch``, to set some back."""
+    for name in list(os.environ):
+        if CLUSTER_VARS.match(name) or name.startswith("LT_"):
+            monkeypatch.delenv(name)
+    return monkeypatch

@@ -8,12 +8,10 @@ import threading
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from fabriclite import collectives
 from fabriclite.collectives import CollectiveMismatchError, RankZeroFailed
-from pool import RankPool
 
 Pair = namedtuple("Pair", "first second")
 
@@ -64,14 +62,6 @@ def _lightning_page(fabric):
     out["reduced_collection"] = {k: v.tolist() for k, v in fabric.all_reduce(collection).items()}
     fabric.barrier()
     return out
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = RankPool(4)
-    pool.start()
-    yield pool
-    pool.close()
 
 
 def test_lightning_collectives_page_on_four_ranks(pool4):

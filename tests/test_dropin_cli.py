@@ -3,12 +3,11 @@ sets them for torchrun), `Fabric(...)` joins the job in __init__; launch() is th
 on this rank. Plus Lightning's LT_* conflict rule (checked against Lightning's own connector) and the CLI error rule."""
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 
-from helpers import CLUSTER_VARS, json_lines, run, write_script
+from helpers import json_lines, run, write_script
 
 NO_LAUNCH = """
     import json, sys
@@ -87,14 +86,6 @@ def test_lightning_cli_contract_joins_in_init(tmp_path):
 
 
 # ---------------------------------------------------------------------- LT_* variables, in this process
-@pytest.fixture
-def clean(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in list(os.environ):
-        if CLUSTER_VARS.match(name) or name.startswith("LT_"):
-            monkeypatch.delenv(name)
-    return monkeypatch
-
-
 CASES = [  # (name, code value, default, LT value, LT_CLI_USED)
     ("devices", "auto", "auto", "2", "1"), ("devices", 3, "auto", "2", "1"), ("devices", "2", "auto", "2", "1"),
     ("devices", 3, "auto", "2", "0"), ("accelerator", "cuda", "auto", "cpu", "1"),
@@ -109,15 +100,15 @@ OUR_DEFAULTS = {"accelerator": "auto", "strategy": "auto", "devices": "auto", "n
 
 
 @pytest.mark.parametrize("name,value,default,lt_value,used", CASES)
-def test_lt_variables_follow_lightnings_rule(clean, name, value, default, lt_value, used):
+def test_lt_variables_follow_lightnings_rule(no_launch_env, name, value, default, lt_value, used):
     """Lightning's own connector is the reference: the LT_ value wins, unless LT_CLI_USED=1 and the code gives a
     value that is neither the default nor the LT_ value (a ValueError)."""
     from lightning.fabric.connector import _Connector
 
     from fabriclite.connector import _from_cli
 
-    clean.setenv("LT_" + name.upper(), lt_value)
-    clean.setenv("LT_CLI_USED", used)
+    no_launch_env.setenv("LT_" + name.upper(), lt_value)
+    no_launch_env.setenv("LT_CLI_USED", used)
     try:
         expected = _Connector._argument_from_env(name, value, default=default)
     except ValueError:
@@ -127,7 +118,7 @@ def test_lt_variables_follow_lightnings_rule(clean, name, value, default, lt_val
     assert str(_from_cli(name, value, OUR_DEFAULTS[name])) == str(expected)
 
 
-def test_run_override_under_the_cli_is_a_type_error(clean):
+def test_run_override_under_the_cli_is_a_type_error(no_launch_env):
     from lightning.fabric import Fabric as LightningFabric
 
     from fabriclite import Fabric
@@ -142,17 +133,17 @@ def test_run_override_under_the_cli_is_a_type_error(clean):
 
     for env in ({"FABRICLITE_CLI_USED": "1"}, {"LT_CLI_USED": "1"}):
         for k, v in env.items():
-            clean.setenv(k, v)
+            no_launch_env.setenv(k, v)
         with pytest.raises(TypeError, match="Overriding `Fabric.run\\(\\)` and launching from the CLI"):
             Mine(accelerator="cpu", devices=1)
         if "LT_CLI_USED" in env:
             with pytest.raises(TypeError, match="Overriding `Fabric.run\\(\\)` and launching from the CLI"):
                 Theirs(accelerator="cpu", devices=1)
         for k in env:
-            clean.delenv(k)
+            no_launch_env.delenv(k)
 
 
-def test_unsupported_lightning_arguments_name_compat_md(clean):
+def test_unsupported_lightning_arguments_name_compat_md(no_launch_env):
     from fabriclite import Fabric
     from fabriclite.connector import LIGHTNING_ONLY_STRATEGIES
     from fabriclite.strategies import STRATEGIES
@@ -174,7 +165,7 @@ def test_unsupported_lightning_arguments_name_compat_md(clean):
     (["--devices", "abc"], "abc"),
     (["--node-rank", "3", "--num-nodes", "2"], "--node-rank 3 is out of range"),
 ])
-def test_cli_errors_end_with_one_line_and_exit_2(tmp_path, capsys, clean, argv, message):
+def test_cli_errors_end_with_one_line_and_exit_2(tmp_path, capsys, no_launch_env, argv, message):
     from fabriclite.cli import main
 
     script = write_script(tmp_path, "raise SystemExit('must not run')\n")
@@ -186,7 +177,7 @@ def test_cli_errors_end_with_one_line_and_exit_2(tmp_path, capsys, clean, argv, 
     assert "Traceback" not in "\n".join(err)
 
 
-def test_cli_missing_script_exits_2(tmp_path, capsys, clean):
+def test_cli_missing_script_exits_2(tmp_path, capsys, no_launch_env):
     from fabriclite.cli import main
 
     with pytest.raises(SystemExit) as info:

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("lightning.pytorch")
 
 
 def _module_class():

@@ -51,7 +51,6 @@ def _every_rank(fabric, root):
 
 
 def test_loggers_on_every_rank(pool2, tmp_path):
-    pytest.importorskip("tensorboard")
     root = str(tmp_path)
     (f0, d0, alone0, early0), (f1, d1, alone1, early1) = pool2.run(_every_rank, root)
     assert f1 == f0  # name, version, root_dir, log_dir agree with rank 0's

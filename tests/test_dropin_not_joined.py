@@ -13,8 +13,6 @@ from torch.utils.data import DataLoader
 
 from fabriclite import Fabric
 
-from helpers import CLUSTER_VARS
-
 #: an external launcher's variables for rank 1 of 2 (nothing listens at the port: joining would fail loudly)
 LAUNCHERS: Dict[str, Dict[str, str]] = {
     "torchrun": {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
@@ -51,20 +49,10 @@ def _calls(tmp_path: Any) -> Dict[str, Callable[[Fabric], Any]]:
     }
 
 
-@pytest.fixture
-def no_cluster(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    import os
-
-    for name in list(os.environ):
-        if CLUSTER_VARS.match(name) or name.startswith("LT_"):
-            monkeypatch.delenv(name)
-    return monkeypatch
-
-
 @pytest.mark.parametrize("where", ["script", *LAUNCHERS])
-def test_every_call_before_joining_raises(tmp_path, no_cluster, where):
+def test_every_call_before_joining_raises(tmp_path, no_launch_env, where):
     for name, value in LAUNCHERS.get(where, {}).items():
-        no_cluster.setenv(name, value)
+        no_launch_env.setenv(name, value)
     fabric = Fabric(accelerator="cpu", devices=2)
     expected_env = {"script": "Local", "torchrun": "TorchElastic", "srun": "SLURM", "mpirun": "MPI"}[where]
     assert expected_env.lower() in type(fabric.strategy.cluster_environment).__name__.lower()
@@ -78,7 +66,7 @@ def test_every_call_before_joining_raises(tmp_path, no_cluster, where):
     assert torch.load(tmp_path / "c.ckpt") == {"w": torch.ones(1)}  # save wrote nothing
 
 
-def test_lightning_raises_on_the_same_set_up_calls(tmp_path, no_cluster):
+def test_lightning_raises_on_the_same_set_up_calls(tmp_path, no_launch_env):
     """The reference: Lightning Fabric refuses these calls before launch() too (its own RuntimeError)."""
     from lightning.fabric import Fabric as LightningFabric
 
@@ -91,7 +79,7 @@ def test_lightning_raises_on_the_same_set_up_calls(tmp_path, no_cluster):
     assert not dist.is_initialized()
 
 
-def test_single_device_needs_no_launch(tmp_path, no_cluster):
+def test_single_device_needs_no_launch(tmp_path, no_launch_env):
     """Lightning's rule: the single-device strategy works without launch()."""
     fabric = Fabric(accelerator="cpu", devices=1)
     model = fabric.setup_module(nn.Linear(2, 2))

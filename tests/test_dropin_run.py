@@ -2,8 +2,6 @@
 fabric.run(...); checked against Lightning's Fabric in one process, and on 2 real ranks (script mode, spawn)."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from helpers import json_lines, python, write_script

@@ -181,7 +181,6 @@ def _interop(fabric, root):
 
 
 def test_lightning_model_parallel_interop(pool2, tmp_path):
-    pytest.importorskip("lightning")
     for r in pool2.run(_lightning_interop, str(tmp_path)):
         assert r["fsdp_losses"] == r["lightning_losses"]
         for key, value in r["lightning"].items():  # gathered on rank 0 only; {} elsewhere

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from torch import nn
 
 from fabriclite import Fabric
 from fabriclite.strategies import ModelParallelStrategy
 from fabriclite.strategies.dcp import full_module_state
-from pool import RankPool
 from test_model_parallel import _torchrun_env
 
 DIM, HEADS, VOCAB, LAYERS, SEQ = 24, 4, 48, 2, 12
@@ -157,16 +155,7 @@ def _both(fabric):
     return mine, lightning
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    pool = RankPool(4)
-    pool.start()
-    yield pool
-    pool.close()
-
-
 def test_llama_dp2_tp2_matches_lightning(pool4):
-    pytest.importorskip("lightning")
     results = pool4.run(_both)
     for (losses, weights), (l_losses, l_weights) in results:
         assert losses == l_losses

@@ -6,7 +6,6 @@ import json
 import os
 from argparse import Namespace
 
-import pytest
 import torch
 
 from fabriclite import Fabric
