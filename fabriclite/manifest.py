@@ -158,14 +158,12 @@ def read_manifest(directory: str) -> Optional[Dict[str, Any]]:
 def write_manifest(directory: str, manifest: Dict[str, Any], rid: str) -> None:
     """Replace ``directory``'s manifest atomically (its temporary name carries ``rid``)."""
     os.makedirs(directory, exist_ok=True)
-    target = os.path.join(directory, MANIFEST)
-    tmp = os.path.join(directory, f".{MANIFEST}.tmp-{rid}-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = checkpoint._tmp_name(directory, MANIFEST, rid, f"{os.getpid()}-{secrets.token_hex(4)}")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, target)
-    checkpoint._fsync_dir(directory)
+    checkpoint.swap_in(tmp, os.path.join(directory, MANIFEST))
 
 
 def remove_stray_temporaries(directory: str, rid: str) -> None:
