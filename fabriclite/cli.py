@@ -86,7 +86,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         job = _prepare_run(args)
     except (ValueError, TypeError) as err:  # UsageError and every check of the connector
         fail(args.command, str(err))
-    code = run_supervised(*job[:-2], restarts=job[-2], preempt=job[-1])
+    code = run_supervised(*job)  # _prepare_run returns run_supervised's arguments, in its order
     if argv is None:  # the program itself: end now, without the interpreter's slow teardown of torch
         exit_process(code)
     return code
