@@ -57,6 +57,7 @@ class FabricCheckpoints:
     def load_latest(self, directory: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
                     strict: bool = True, *, weights_only: Optional[bool] = None) -> Optional[str]:
         """``load`` the newest checkpoint ``directory``'s manifest records: its path, or None (fabriclite.manifest)."""
+        self._check_launched("load_latest")
         path = manifest.latest(self._strategy, directory)
         if path is not None:
             self.load(path, state, strict=strict, weights_only=weights_only)
@@ -66,6 +67,7 @@ class FabricCheckpoints:
         """Whether the job was told it will be stopped (SIGTERM / SIGUSR1 on any rank): a collective, one small
         all_reduce, the same answer on every rank at the same call. The first True also calls the callbacks'
         ``on_preempt(fabric)`` hook. Call it every N steps and save then (see fabriclite.preemption)."""
+        self._check_launched("check_preempted")
         agreed = preemption.check(self._strategy)
         if agreed and not self._preempted:
             self._preempted = True

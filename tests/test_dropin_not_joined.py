@@ -46,6 +46,8 @@ def _calls(tmp_path: Any) -> Dict[str, Callable[[Fabric], Any]]:
         "save": lambda f: f.save(tmp_path / "c.ckpt", {"w": torch.ones(1)}),
         "load": lambda f: f.load(tmp_path / "c.ckpt"),
         "load_raw": lambda f: f.load_raw(tmp_path / "c.ckpt", model),
+        "load_latest": lambda f: f.load_latest(tmp_path),
+        "check_preempted": lambda f: f.check_preempted(),
     }
 
 
