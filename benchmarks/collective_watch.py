@@ -22,8 +22,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    from fabriclite import rendezvous
-    from fabriclite.strategies.progress import CollectiveWatch
+    from fabriclite.distributed import rendezvous
+    from fabriclite.supervision.rank_watch import CollectiveWatch
 
     server = rendezvous.host_store("127.0.0.1", 0, timedelta(seconds=10))
     store = rendezvous.prefixed(server, rendezvous.KEY_PREFIX)

@@ -1,6 +1,6 @@
 """Fault tolerance costs, on 2 CPU ranks under `fabriclite run`:
 
-- restart: the wall time from a rank SIGKILLing itself mid-epoch (tests/restart_script.py, --max-restarts 1, the
+- restart: the wall time from a rank SIGKILLing itself mid-epoch (tests/support/restart_script.py, --max-restarts 1, the
   default 1 s backoff) to the new round's ranks having loaded the latest checkpoint (training resumed);
 - check_preempted(): the median time of one call (one all_reduce of one number), against a barrier;
 - resume_state(): the median time of its state_dict() per save (gathering every rank's RNG states).

@@ -63,7 +63,7 @@ def rss_mb() -> float:
 
 def prepare(impl: str, fabric: Any, fsdp: Any, width: int, depth: int):
     """(model, optimizer, step function) for one implementation."""
-    from fabriclite.strategies.sharding import counted_bytes
+    from fabriclite.strategies.fsdp2 import counted_bytes
 
     model = build(width, depth)
     if impl == "fsdp2-by-hand":

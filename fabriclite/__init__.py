@@ -1,7 +1,7 @@
 """fabriclite: turn a plain PyTorch script into a distributed one with one object, ``Fabric``."""
 from fabriclite.fabric import Fabric
-from fabriclite.seed import seed_everything
-from fabriclite.wrappers import is_wrapped
+from fabriclite.training.seeding import seed_everything
+from fabriclite.training.wrapping import is_wrapped
 
 __version__ = "0.1.0.dev0"
 __all__ = ["Fabric", "__version__", "is_wrapped", "seed_everything"]

@@ -16,12 +16,13 @@ import sys
 from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from fabriclite.accelerators import ACCELERATORS
-from fabriclite.launchers.output import OutputOptions
-from fabriclite.launchers.preemption import PreemptOptions, parse_grace
-from fabriclite.launchers.restarts import MAX_RESTARTS_ENV, RestartPolicy, parse_max_restarts, parse_seconds
+from fabriclite.supervision.output_forwarding import OutputOptions
+from fabriclite.supervision.preemption import PreemptOptions, parse_grace
+from fabriclite.supervision.restarts import MAX_RESTARTS_ENV, RestartPolicy, parse_max_restarts, parse_seconds
 from fabriclite.launchers.subprocess_script import run_supervised
-from fabriclite.launchers.supervisor import Layout, exit_process
-from fabriclite.rendezvous import resolve_timeout
+from fabriclite.supervision.stopping import exit_process
+from fabriclite.supervision.supervisor import Layout
+from fabriclite.distributed.rendezvous import resolve_timeout
 from fabriclite.strategies import STRATEGIES
 
 
@@ -161,8 +162,8 @@ def _prepare_consolidate(args: argparse.Namespace) -> Tuple[str, str]:
 
 
 def _consolidate(folder: str, output: str) -> None:
-    from fabriclite.checkpoint import atomic_save
-    from fabriclite.strategies.dcp import consolidate
+    from fabriclite.checkpoint.saving import atomic_save
+    from fabriclite.checkpoint.dcp import consolidate
 
     try:
         merged = consolidate(folder)

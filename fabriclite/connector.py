@@ -13,7 +13,7 @@ from typing import Any, Iterable, List, Optional, Union
 
 from fabriclite.accelerators import ACCELERATORS, Accelerator, accelerator_class
 from fabriclite.environments import ClusterEnvironment, FabricliteEnvironment, detect_environment
-from fabriclite.launchers.restarts import resolve_max_restarts
+from fabriclite.supervision.restarts import resolve_max_restarts
 from fabriclite.precision import Precision, normalize_precision, precision_plugin
 from fabriclite.strategies import STRATEGIES, DDPStrategy, SingleDeviceStrategy, Strategy, create_strategy
 

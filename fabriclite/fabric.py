@@ -4,38 +4,43 @@ from __future__ import annotations
 
 import atexit
 import os
-from typing import Any, Callable, ContextManager, List, Mapping, Optional, Union
+from contextlib import contextmanager
+from typing import Any, Callable, ContextManager, Dict, Generator, List, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from fabriclite import collectives, lightning_module, preemption, run_method, wrappers
+from fabriclite import collectives
 from fabriclite.accelerators import Accelerator
-from fabriclite.callbacks import as_callback_list, call_hook
+from fabriclite.checkpoint import manifest, resume_state
+from fabriclite.checkpoint.resume_state import ResumeState
+from fabriclite.checkpoint.saving import load_checkpoint, load_raw, save_checkpoint
+from fabriclite.compat import lightning_module, run_method
 from fabriclite.connector import Connector, cli_used
-from fabriclite.data import gather_eval as _gather_eval
-from fabriclite.data import setup_dataloader as _setup_dataloader
-from fabriclite.fabric_checkpoints import FabricCheckpoints
-from fabriclite.fabric_collectives import FabricCollectives
-from fabriclite.launchers.child import ERROR_FILE_ENV, record_errors
-from fabriclite.launchers.output import line_buffer_stdio
-from fabriclite.launchers.restarts import restart_count
 from fabriclite.loggers.base import share_logger_state
-from fabriclite.seed import seed_everything as _seed_everything
 from fabriclite.strategies import Strategy
-from fabriclite.wrappers import FabricModule, FabricOptimizer
+from fabriclite.supervision import rank_signals
+from fabriclite.supervision.output_forwarding import line_buffer_stdio
+from fabriclite.supervision.rank_child import ERROR_FILE_ENV, record_errors
+from fabriclite.supervision.restarts import restart_count
+from fabriclite.training import wrapping
+from fabriclite.training.callbacks import as_callback_list, call_hook
+from fabriclite.training.dataloaders import gather_eval as _gather_eval
+from fabriclite.training.dataloaders import setup_dataloader as _setup_dataloader
+from fabriclite.training.seeding import seed_everything as _seed_everything
+from fabriclite.training.wrapping import FabricDataLoader, FabricModule, FabricOptimizer
 
 
-class Fabric(FabricCollectives, FabricCheckpoints):
+class Fabric:
     """Turns a plain PyTorch script into a distributed one.
 
     Arguments follow Lightning Fabric: ``accelerator`` ("auto", "cpu", "cuda"/"gpu", "mps", "tpu"),
     ``strategy`` ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "single_device", "fsdp", "horovod",
     "xla", ... or an instance), ``devices`` ("auto", an int, a list of GPU indices, "0,1", -1),
     ``num_nodes``, ``precision``, ``plugins``, ``callbacks``, ``loggers``; ``max_restarts`` (fabriclite's own:
-    start every rank again after a failure, up to N times; see fabriclite.launchers.restarts). Bad values raise
+    start every rank again after a failure, up to N times; see fabriclite.supervision.restarts). Bad values raise
     ValueError/TypeError here, before any process starts.
 
     In a script started by `fabriclite run` (or Lightning's `fabric run`: ``LT_CLI_USED=1``) the processes exist
@@ -116,7 +121,7 @@ class Fabric(FabricCollectives, FabricCheckpoints):
     # ------------------------------------------------------------------ launch
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Override in a subclass with the training code: ``fabric.run(...)`` then launches the processes and
-        runs it on every rank with those arguments (see fabriclite.run_method)."""
+        runs it on every rank with those arguments (see fabriclite.compat.run_method)."""
 
     def launch(self, function: Optional[Callable[..., Any]] = None, *args: Any, **kwargs: Any) -> Any:
         """Start or join the processes, then run ``function(self, *args, **kwargs)`` on every rank if
@@ -165,7 +170,7 @@ class Fabric(FabricCollectives, FabricCheckpoints):
             record_errors()
         if self.world_size > 1:
             line_buffer_stdio()  # one write per printed line: ranks sharing a terminal or pipe never glue lines
-        preemption.install(self._strategy.global_rank)
+        rank_signals.install(self._strategy.global_rank)
         self._strategy.setup_environment()
         self._launched = True
         self._bind_loggers()
@@ -182,12 +187,64 @@ class Fabric(FabricCollectives, FabricCheckpoints):
                 finalize("success")
         self._strategy.teardown()
 
+    def _check_launched(self, what: str) -> None:
+        """RuntimeError before the job is joined (several processes, no ``launch()`` yet), before anything
+        reaches torch.distributed (Lightning's rule: every strategy but the single-device one)."""
+        if not self._launched and not self._strategy.single_device:
+            raise RuntimeError(f"fabric.{what}() with strategy={self._strategy.name!r} needs this process to join the "
+                               "job: call fabric.launch() first (under torchrun / srun / mpirun too), or start the "
+                               "script with `fabriclite run`.")
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: Optional[str] = None, check: bool = True) -> None:
+        """Wait until every rank reaches this point (see fabriclite.collectives.barrier)."""
+        self._check_launched("barrier")
+        collectives.barrier(self._strategy, name, check=check)
+
+    def broadcast(self, obj: Any, src: int = 0, check: bool = True) -> Any:
+        """``obj`` from global rank ``src`` on every rank (see fabriclite.collectives.broadcast)."""
+        self._check_launched("broadcast")
+        return collectives.broadcast(self._strategy, obj, src, check=check)
+
+    def all_gather(self, data: Any, group: Optional[Any] = None, sync_grads: bool = False, cat: bool = False,
+                   check: bool = True) -> Any:
+        """Every rank's ``data``, leaf by leaf (see fabriclite.collectives.all_gather)."""
+        self._check_launched("all_gather")
+        return collectives.all_gather(self._strategy, data, group=group, sync_grads=sync_grads, cat=cat, check=check)
+
+    def all_reduce(self, data: Any, group: Optional[Any] = None, reduce_op: Any = "mean", check: bool = True,
+                   inplace: bool = False) -> Any:
+        """``data`` reduced over the ranks, leaf by leaf (see fabriclite.collectives.all_reduce)."""
+        self._check_launched("all_reduce")
+        return collectives.all_reduce(self._strategy, data, group=group, reduce_op=reduce_op, check=check,
+                                      inplace=inplace)
+
+    def gather(self, data: Any, dst: int = 0, group: Optional[Any] = None) -> Any:
+        """A list of every rank's ``data`` on rank ``dst``; None elsewhere."""
+        self._check_launched("gather")
+        return collectives.gather(self._strategy, data, dst=dst, group=group)
+
+    def reduce(self, data: Any, dst: int = 0, reduce_op: Any = "mean", group: Optional[Any] = None,
+               check: bool = True, inplace: bool = False) -> Any:
+        """``data`` reduced over the ranks on rank ``dst``; None elsewhere (see fabriclite.collectives.reduce)."""
+        self._check_launched("reduce")
+        return collectives.reduce(self._strategy, data, dst=dst, reduce_op=reduce_op, group=group, check=check,
+                                  inplace=inplace)
+
+    @contextmanager
+    def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:
+        """Rank 0 (of each node with ``local=True``) runs the block first; the others wait, without a
+        deadline, and raise rank 0's error if its block raised."""
+        self._check_launched("rank_zero_first")
+        with collectives.rank_zero_first(self._strategy, local=local):
+            yield
+
     # ------------------------------------------------------------------ training set-up
     def setup(self, module: nn.Module, *optimizers: Optimizer, scheduler: Optional[Any] = None,
               move_to_device: bool = True, _reapply_compile: bool = True) -> Any:
-        """The wrapped module, or ``(module, *optimizers[, scheduler])`` (see fabriclite.wrappers.setup_module)."""
+        """The wrapped module, or ``(module, *optimizers[, scheduler])`` (see fabriclite.training.wrapping.setup_module)."""
         self._check_launched("setup")
-        wrapped, opts = wrappers.setup_module(self._strategy, module, optimizers, move_to_device, self._callbacks)
+        wrapped, opts = wrapping.setup_module(self._strategy, module, optimizers, move_to_device, self._callbacks)
         lightning_module.attach(self, wrapped.module, self._callbacks, opts)
         self.call("on_after_setup", fabric=self, module=wrapped)
         if not opts:
@@ -198,7 +255,7 @@ class Fabric(FabricCollectives, FabricCheckpoints):
                      _reapply_compile: bool = True) -> FabricModule:
         """``module`` wrapped for the strategy and precision, without optimizers."""
         self._check_launched("setup_module")
-        wrapped, _ = wrappers.setup_module(self._strategy, module, (), move_to_device, self._callbacks)
+        wrapped, _ = wrapping.setup_module(self._strategy, module, (), move_to_device, self._callbacks)
         lightning_module.attach(self, wrapped.module, self._callbacks)
         self.call("on_after_setup", fabric=self, module=wrapped)
         return wrapped
@@ -206,12 +263,12 @@ class Fabric(FabricCollectives, FabricCheckpoints):
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
         """The wrapped optimizer, or a tuple of them for several."""
         self._check_launched("setup_optimizers")
-        wrapped = wrappers.setup_optimizers(self._strategy, optimizers, self._callbacks)
+        wrapped = wrapping.setup_optimizers(self._strategy, optimizers, self._callbacks)
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
     def setup_dataloaders(self, *dataloaders: DataLoader, use_distributed_sampler: bool = True,
                           move_to_device: bool = True) -> Any:
-        """Each loader sharded across ranks and moving batches to the device (see fabriclite.data)."""
+        """Each loader sharded across ranks and moving batches to the device (see fabriclite.training.dataloaders)."""
         self._check_launched("setup_dataloaders")
         if not dataloaders:
             raise ValueError("setup_dataloaders() needs at least one DataLoader.")
@@ -232,7 +289,7 @@ class Fabric(FabricCollectives, FabricCheckpoints):
         if (clip_val is None) == (max_norm is None):
             raise ValueError(f"clip_gradients(clip_val={clip_val!r}, max_norm={max_norm!r}): give exactly one of "
                              "clip_val (clip each gradient value) or max_norm (clip the total norm).")
-        module, optimizer = wrappers.unwrap(module), wrappers.unwrap(optimizer)
+        module, optimizer = wrapping.unwrap(module), wrapping.unwrap(optimizer)
         if clip_val is not None:
             self._strategy.clip_gradients_value(module, optimizer, clip_val=clip_val)
             return None
@@ -245,10 +302,10 @@ class Fabric(FabricCollectives, FabricCheckpoints):
 
     def no_backward_sync(self, module: FabricModule, enabled: bool = True) -> ContextManager:
         """Skip gradient synchronisation for forward+backward inside the block (gradient accumulation)."""
-        if not isinstance(wrappers._unwrap_compiled(module), FabricModule):
+        if not isinstance(wrapping._unwrap_compiled(module), FabricModule):
             raise TypeError("no_backward_sync(module) needs the module returned by fabric.setup(); got "
                             f"{type(module).__name__}. Call `model = fabric.setup(model, ...)` first.")
-        return self._strategy.no_backward_sync(wrappers.unwrap(module), enabled)
+        return self._strategy.no_backward_sync(wrapping.unwrap(module), enabled)
 
     def to_device(self, obj: Any) -> Any:
         """A module moved to this rank's device (in place), or a (nested) collection of tensors copied there."""
@@ -267,23 +324,83 @@ class Fabric(FabricCollectives, FabricCheckpoints):
 
     @staticmethod
     def seed_everything(seed: Optional[int] = None, workers: Optional[bool] = None, verbose: bool = True) -> int:
-        """Seed python / numpy / torch and the DataLoader workers (see fabriclite.seed.seed_everything)."""
+        """Seed python / numpy / torch and the DataLoader workers (see fabriclite.training.seeding.seed_everything)."""
         return _seed_everything(seed, workers=True if workers is None else workers, verbose=verbose)
 
     def progress_bar(self, iterable: Optional[Any] = None, **kwargs: Any) -> Any:
-        """A tqdm bar on global rank 0, a silent pass-through elsewhere (see fabriclite.progress)."""
-        from fabriclite.progress import progress_bar
+        """A tqdm bar on global rank 0, a silent pass-through elsewhere (see fabriclite.training.progress_bar)."""
+        from fabriclite.training.progress_bar import progress_bar
 
         return progress_bar(iterable, enabled=self.is_global_zero, **kwargs)
 
     def gather_eval(self, data: Any, dataloader: Any) -> Any:
-        """Per-sample results of one eval pass from every rank, each sample once (see fabriclite.data)."""
+        """Per-sample results of one eval pass from every rank, each sample once (see fabriclite.training.dataloaders)."""
         self._check_launched("gather_eval")
         return _gather_eval(self._strategy, data, dataloader)
 
+    # ------------------------------------------------------------------ checkpoints and preemption
+    def save(self, path: Union[str, "os.PathLike[str]"], state: Dict[str, Any],
+             filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None, *, keep: Optional[int] = None) -> None:
+        """Write ``state`` to ``path`` on global rank 0, atomically; every rank returns when it is complete.
+        ``keep=K``: record it in the directory's manifest and keep this run's K newest (see fabriclite.checkpoint.manifest)."""
+        self._check_launched("save")
+        unwrapped = wrapping.unwrap(state, loaders=False)
+        if keep is None:
+            save_checkpoint(self._strategy, path, unwrapped, filter)
+        else:
+            manifest.save_recorded(self._strategy, path, unwrapped, filter, keep)
+
+    def load(self, path: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
+             strict: bool = True, *, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Restore ``state`` in place from ``path``; returns what was not restored (all of it without state)."""
+        self._check_launched("load")
+        unwrapped = wrapping.unwrap(state, loaders=False)
+        resume_state.set_strict(unwrapped, strict)
+        remainder = load_checkpoint(self._strategy, path, unwrapped, strict=strict, weights_only=weights_only)
+        if state is not None:
+            for key, value in unwrapped.items():
+                if not isinstance(state[key], (FabricModule, FabricOptimizer, FabricDataLoader)):
+                    state[key] = value
+        return remainder
+
+    def load_latest(self, directory: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
+                    strict: bool = True, *, weights_only: Optional[bool] = None) -> Optional[str]:
+        """``load`` the newest checkpoint ``directory``'s manifest records: its path, or None (fabriclite.checkpoint.manifest)."""
+        self._check_launched("load_latest")
+        path = manifest.latest(self._strategy, directory)
+        if path is not None:
+            self.load(path, state, strict=strict, weights_only=weights_only)
+        return path
+
+    def check_preempted(self) -> bool:
+        """Whether the job was told it will be stopped (SIGTERM / SIGUSR1 on any rank): a collective, one small
+        all_reduce, the same answer on every rank at the same call. The first True also calls the callbacks'
+        ``on_preempt(fabric)`` hook. Call it every N steps and save then (see fabriclite.supervision.rank_signals)."""
+        self._check_launched("check_preempted")
+        agreed = rank_signals.check(self._strategy)
+        if agreed and not self._preempted:
+            self._preempted = True
+            self.call("on_preempt", self)
+        return agreed
+
+    @property
+    def preempted(self) -> bool:
+        """The last answer of ``check_preempted()`` (False before the first call)."""
+        return self._preempted
+
+    def resume_state(self) -> ResumeState:
+        """``state["resume"] = fabric.resume_state()``: every rank's RNG states saved (fabriclite.checkpoint.resume_state)."""
+        return ResumeState(self._strategy)
+
+    def load_raw(self, path: Union[str, "os.PathLike[str]"], obj: Union[nn.Module, Optimizer], strict: bool = True,
+                 *, weights_only: Optional[bool] = None) -> None:
+        """Load a bare state_dict file (made without Fabric) into a module or optimizer."""
+        self._check_launched("load_raw")
+        load_raw(self._strategy, path, wrapping.unwrap(obj), strict=strict, weights_only=weights_only)
+
     # ------------------------------------------------------------------ callbacks and loggers
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
-        """Call ``hook_name`` on every callback that has it (see fabriclite.callbacks.call_hook)."""
+        """Call ``hook_name`` on every callback that has it (see fabriclite.training.callbacks.call_hook)."""
         call_hook(self._callbacks, hook_name, *args, **kwargs)
 
     @property

@@ -14,7 +14,7 @@ BACKEND_ENV := bash scripts/backend_env.sh
 BACKEND_LANES := horovod xla mpi
 export FABRICLITE_CACHE ?= $(HOME)/.cache/fabriclite
 # Lane tests run this checkout's code whatever checkout the cached venv was installed from.
-LANE_PYTEST = PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} FABRICLITE_LANE=$(1) $(2) -m pytest -q -p no:cacheprovider tests/backends/lane_$(1)
+LANE_PYTEST = PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} FABRICLITE_LANE=$(1) $(2) -m pytest -q -p no:cacheprovider tests/integration/backends/lane_$(1)
 
 .PHONY: env-horovod env-xla env-mpi test-horovod test-xla test-mpi test-backends
 

@@ -7,7 +7,8 @@ from typing import Iterator
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import test modules and pool
+# the harness (tests/support) is importable by name here and in spawned ranks (pool, helpers, ...)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 from helpers import CLUSTER_VARS  # noqa: E402
 from pool import RankPool  # noqa: E402

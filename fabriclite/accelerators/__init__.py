@@ -1,6 +1,8 @@
 """Accelerators: what a device is. Pick one by name through ``ACCELERATORS``.
 
 ``"tpu"`` maps to the XLA accelerator, whose module imports torch_xla only when used.
+
+May import: ``distributed`` only (the floor below). Entry points: ``ACCELERATORS``, ``accelerator_class``.
 """
 from __future__ import annotations
 

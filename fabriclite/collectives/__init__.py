@@ -18,6 +18,10 @@ collection of them (dict / OrderedDict / defaultdict / any Mapping, list, tuple,
   reduced in the caller's tensors.
 - Errors after data has started moving (a collective timeout, a lost peer) are fatal for the process group:
   the strategy raises them and every later collective fails; end and restart the job.
+
+May import: ``distributed`` only (never a strategy: ``state.Strategy`` is a Protocol naming the
+primitives used). Entry points: ``all_reduce``, ``all_gather``, ``broadcast``, ``reduce``, ``gather``, ``barrier``,
+``rank_zero_first``.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from typing import Any, Iterator, Optional
 
 from fabriclite.collectives import header
 from fabriclite.collectives.state import Context, Strategy, state_of
-from fabriclite.rendezvous import raise_if_failed
+from fabriclite.distributed.rendezvous import raise_if_failed
 
 _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.1
 _OK = "ok"

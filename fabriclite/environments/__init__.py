@@ -3,6 +3,8 @@
 Detection order (see :mod:`fabriclite.environments.detect`): forced instance (``plugins=[...]``) >
 ``FABRICLITE_CLUSTER_ENVIRONMENT=<name>`` > torchelastic > slurm > lsf > mpi > fabriclite children > env:// > local.
 Importing this package reads nothing, writes nothing and imports no optional backend (torch_xla, mpi4py, horovod).
+
+May import: ``distributed`` only. Entry points: ``detect.detect_environment``, ``ENVIRONMENTS``.
 """
 
 from fabriclite.environments.base import ClusterEnvironment

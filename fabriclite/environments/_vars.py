@@ -4,7 +4,7 @@ Every reader looks at ``os.environ`` when it is called (nothing is cached), and 
 """
 
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 
 def first_set(names: Sequence[str]) -> Optional[str]:
@@ -78,3 +78,17 @@ def read_port(name: str, env: str) -> int:
             f"The {env} cluster environment read {name}={os.environ[name]!r}, which is not a TCP port (1..65535)."
         )
     return port
+
+
+def main_address_or(derive: Callable[[], str]) -> str:
+    """``MASTER_ADDR`` when set, else ``derive()``: the rule of every launcher that may leave it unset (SLURM, MPI,
+    XLA)."""
+    return read_optional_str("MASTER_ADDR") or derive()
+
+
+def main_port_or(env: str, derive: Callable[[], int]) -> int:
+    """``MASTER_PORT`` when set (a TCP port; ValueError naming it otherwise), else ``derive()``: the rule of every
+    launcher that may leave it unset (SLURM, MPI, LSF)."""
+    if os.environ.get("MASTER_PORT", "").strip():
+        return read_port("MASTER_PORT", env)
+    return derive()

@@ -1,8 +1,7 @@
 """LocalEnvironment: fabriclite starts the processes itself (the fallback when nothing else is detected)."""
 
-import os
 
-from fabriclite.environments._vars import read_int, read_optional_str, read_port
+from fabriclite.environments._vars import main_address_or, main_port_or, read_int
 from fabriclite.environments.base import ClusterEnvironment
 
 
@@ -31,14 +30,12 @@ class LocalEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        return read_optional_str("MASTER_ADDR") or "127.0.0.1"
+        return main_address_or(lambda: "127.0.0.1")
 
     @property
     def main_port(self) -> int:
         """``MASTER_PORT``, or 0 when unset: the launcher then picks a free port."""
-        if not os.environ.get("MASTER_PORT", "").strip():
-            return 0
-        return read_port("MASTER_PORT", self.name)
+        return main_port_or(self.name, lambda: 0)
 
     def world_size(self) -> int:
         return self._world_size

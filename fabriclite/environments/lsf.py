@@ -4,7 +4,7 @@ import os
 import socket
 from typing import List, Optional
 
-from fabriclite.environments._vars import all_set, parse_int, read_int, read_optional_str, read_port, read_str
+from fabriclite.environments._vars import all_set, main_address_or, main_port_or, parse_int, read_int, read_str
 from fabriclite.environments.base import ClusterEnvironment
 
 _REQUIRED = ("LSB_JOBID", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_LOCAL_RANK")
@@ -52,16 +52,12 @@ class LSFEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        override = read_optional_str("MASTER_ADDR")
-        if override is not None:
-            return override
-        return self.hosts()[0]
+        return main_address_or(lambda: self.hosts()[0])
 
     @property
     def main_port(self) -> int:
-        if os.environ.get("MASTER_PORT", "").strip():
-            return read_port("MASTER_PORT", self.name)
-        return 10000 + parse_int("LSB_JOBID", read_str("LSB_JOBID", self.name), self.name) % 1000
+        return main_port_or(
+            self.name, lambda: 10000 + parse_int("LSB_JOBID", read_str("LSB_JOBID", self.name), self.name) % 1000)
 
     def world_size(self) -> int:
         return read_int("JSM_NAMESPACE_SIZE", self.name, minimum=1)

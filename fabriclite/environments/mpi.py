@@ -4,7 +4,7 @@ import os
 import zlib
 from typing import NamedTuple, Optional, Tuple
 
-from fabriclite.environments._vars import first_set, read_int, read_optional_str, read_port
+from fabriclite.environments._vars import first_set, main_address_or, main_port_or, read_int
 from fabriclite.environments.base import ClusterEnvironment
 
 
@@ -37,6 +37,12 @@ def _flavor() -> Optional[_Flavor]:
         if os.environ.get(flavor.size, "").strip() and os.environ.get(flavor.rank, "").strip():
             return flavor
     return None
+
+
+def _job_port() -> int:
+    """The port derived from the first job identifier set (JOB_ID_VARS), else DEFAULT_PORT."""
+    var = first_set(JOB_ID_VARS)
+    return DEFAULT_PORT if var is None else derived_port(os.environ[var].strip())
 
 
 def derived_port(job_id: str) -> int:
@@ -79,9 +85,9 @@ class MPIEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        override = read_optional_str("MASTER_ADDR")
-        if override is not None:
-            return override
+        return main_address_or(self._single_node_address)
+
+    def _single_node_address(self) -> str:
         world = self.world_size()
         per_node = self.local_world_size()
         if per_node == world:
@@ -100,10 +106,7 @@ class MPIEnvironment(ClusterEnvironment):
 
     @property
     def main_port(self) -> int:
-        if os.environ.get("MASTER_PORT", "").strip():
-            return read_port("MASTER_PORT", self.name)
-        var = first_set(JOB_ID_VARS)
-        return DEFAULT_PORT if var is None else derived_port(os.environ[var].strip())
+        return main_port_or(self.name, _job_port)
 
     def world_size(self) -> int:
         return read_int(self._require_flavor().size, self.name, minimum=1)

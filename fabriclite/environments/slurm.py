@@ -4,8 +4,8 @@ import os
 import re
 from typing import List, Optional
 
-from fabriclite.environments._vars import (first_set, parse_int, read_int, read_optional_int, read_optional_str,
-                                           read_port)
+from fabriclite.environments._vars import (first_set, main_address_or, main_port_or, parse_int, read_int,
+                                           read_optional_int)
 from fabriclite.environments.base import ClusterEnvironment
 from fabriclite.environments.hostlist import first_host
 
@@ -33,6 +33,27 @@ def parse_tasks_per_node(text: str) -> List[int]:
             )
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts
+
+
+def _first_node() -> str:
+    """The first host of the step's (else the job's) node list."""
+    var = first_set(_NODELIST_VARS)
+    if var is None:
+        raise ValueError(
+            f"The slurm cluster environment needs the main address: set MASTER_ADDR, or run under srun so that "
+            f"one of {', '.join(_NODELIST_VARS)} is set."
+        )
+    return first_host(os.environ[var])
+
+
+def _job_port() -> int:
+    """``15000 + int(last 4 digits of SLURM_JOB_ID)``, as Lightning derives it."""
+    job_id = os.environ.get("SLURM_JOB_ID", "").strip()
+    if not job_id:
+        raise ValueError(
+            "The slurm cluster environment needs a port: set MASTER_PORT, or SLURM_JOB_ID to derive one from."
+        )
+    return 15000 + parse_int("SLURM_JOB_ID", job_id[-4:], SLURMEnvironment.name)
 
 
 class SLURMEnvironment(ClusterEnvironment):
@@ -75,27 +96,11 @@ class SLURMEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        override = read_optional_str("MASTER_ADDR")
-        if override is not None:
-            return override
-        var = first_set(_NODELIST_VARS)
-        if var is None:
-            raise ValueError(
-                f"The slurm cluster environment needs the main address: set MASTER_ADDR, or run under srun so that "
-                f"one of {', '.join(_NODELIST_VARS)} is set."
-            )
-        return first_host(os.environ[var])
+        return main_address_or(_first_node)
 
     @property
     def main_port(self) -> int:
-        if os.environ.get("MASTER_PORT", "").strip():
-            return read_port("MASTER_PORT", self.name)
-        job_id = os.environ.get("SLURM_JOB_ID", "").strip()
-        if not job_id:
-            raise ValueError(
-                "The slurm cluster environment needs a port: set MASTER_PORT, or SLURM_JOB_ID to derive one from."
-            )
-        return 15000 + parse_int("SLURM_JOB_ID", job_id[-4:], self.name)
+        return main_port_or(self.name, _job_port)
 
     def world_size(self) -> int:
         return read_int("SLURM_NTASKS", self.name, minimum=1)

@@ -4,7 +4,7 @@ import os
 from types import ModuleType
 from typing import Optional
 
-from fabriclite.environments._vars import read_optional_str, read_port
+from fabriclite.environments._vars import main_address_or, main_port_or
 from fabriclite.environments.base import ClusterEnvironment
 
 #: torch_xla's own default rendezvous port (``xla://`` init method) when MASTER_PORT is unset.
@@ -22,6 +22,16 @@ def _runtime() -> ModuleType:
         ) from None
     return runtime
 
+
+
+def _worker_zero_address() -> str:
+    """TPU worker 0's address (from torch_xla) on a TPU pod, else 127.0.0.1."""
+    if os.environ.get("PJRT_DEVICE", "").strip().upper() == "TPU":
+        _runtime()
+        from torch_xla._internal import tpu
+
+        return tpu.discover_master_worker_ip()
+    return "127.0.0.1"
 
 class XLAEnvironment(ClusterEnvironment):
     """A TPU job: world, ranks and host index come from ``torch_xla.runtime`` at call time.
@@ -47,21 +57,11 @@ class XLAEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        override = read_optional_str("MASTER_ADDR")
-        if override is not None:
-            return override
-        if os.environ.get("PJRT_DEVICE", "").strip().upper() == "TPU":
-            _runtime()
-            from torch_xla._internal import tpu
-
-            return tpu.discover_master_worker_ip()
-        return "127.0.0.1"
+        return main_address_or(_worker_zero_address)
 
     @property
     def main_port(self) -> int:
-        if os.environ.get("MASTER_PORT", "").strip():
-            return read_port("MASTER_PORT", self.name)
-        return XLA_DEFAULT_PORT
+        return main_port_or(self.name, lambda: XLA_DEFAULT_PORT)
 
     def world_size(self) -> int:
         return int(_runtime().world_size())

@@ -13,10 +13,11 @@ from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fabriclite.launchers.base import Launcher
-from fabriclite.launchers.child import watch_supervisor, write_error_file
-from fabriclite.launchers.output import OutputOptions, redirect_output
-from fabriclite.launchers.preemption import EXIT_PREEMPTED, PreemptOptions
-from fabriclite.launchers.supervisor import JobFailed, Layout, Supervisor, print_summary
+from fabriclite.supervision.rank_child import watch_supervisor, write_error_file
+from fabriclite.supervision.output_forwarding import OutputOptions, redirect_output
+from fabriclite.supervision.preemption import EXIT_PREEMPTED, PreemptOptions
+from fabriclite.supervision.stopping import print_summary
+from fabriclite.supervision.supervisor import JobFailed, Layout, Supervisor
 
 
 class ProcessWorker:
@@ -38,7 +39,7 @@ class MultiprocessingLauncher(Launcher):
     fails, every rank is stopped and :class:`JobFailed` is raised with the supervisor's summary.
     SIGINT / SIGTERM to this process stop every rank, then raise KeyboardInterrupt / SystemExit(143).
     ``output`` (default: $FABRICLITE_RANK_PREFIX / $FABRICLITE_LOG_DIR) prefixes and logs ranks' output.
-    Rendezvous problems (port in use, ...) raise fabriclite.rendezvous.RendezvousError.
+    Rendezvous problems (port in use, ...) raise fabriclite.distributed.rendezvous.RendezvousError.
     """
 
     def __init__(self, cluster_environment: Any, num_processes: int, num_nodes: int, timeout: timedelta,

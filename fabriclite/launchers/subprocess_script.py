@@ -12,12 +12,13 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence
 
 from fabriclite.launchers.base import Launcher
-from fabriclite.rendezvous import RendezvousError
-from fabriclite.launchers.child import die_with_parent, load_prctl
-from fabriclite.launchers.output import OutputOptions
-from fabriclite.launchers.preemption import PreemptOptions
-from fabriclite.launchers.restarts import RestartPolicy
-from fabriclite.launchers.supervisor import Layout, Supervisor, exit_process, print_summary
+from fabriclite.distributed.rendezvous import RendezvousError
+from fabriclite.supervision.rank_child import die_with_parent, load_prctl
+from fabriclite.supervision.output_forwarding import OutputOptions
+from fabriclite.supervision.preemption import PreemptOptions
+from fabriclite.supervision.restarts import RestartPolicy
+from fabriclite.supervision.stopping import exit_process, print_summary
+from fabriclite.supervision.supervisor import Layout, Supervisor
 
 
 class PopenWorker:
@@ -49,7 +50,7 @@ def run_supervised(command: Sequence[str], layout: Layout, main_address: str, ma
                    extra_env: Optional[Dict[str, str]] = None, restarts: Optional[RestartPolicy] = None,
                    preempt: Optional[PreemptOptions] = None) -> int:
     """Start ``command`` once per local rank under a Supervisor (each rank's environment gets
-    ``extra_env`` too; ``restarts`` / ``preempt``: see launchers.restarts / .preemption, default from the
+    ``extra_env`` too; ``restarts`` / ``preempt``: see supervision.restarts / .preemption, default from the
     environment); its summary goes to stderr; return the exit
     code (1 with a clear message on stderr when the rendezvous store cannot be hosted or joined)."""
     supervisor = Supervisor(layout, main_address, main_port, timeout, output, extra_env=extra_env,

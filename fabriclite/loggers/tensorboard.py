@@ -78,7 +78,7 @@ class TensorBoardLogger(VersionedLogger):
 
     @rank_zero_only
     def log_graph(self, model: Any, input_array: Optional[Tensor] = None) -> None:
-        from fabriclite.wrappers import FabricModule
+        from fabriclite.training.wrapping import FabricModule
 
         if isinstance(model, FabricModule):
             model = model.module

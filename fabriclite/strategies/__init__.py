@@ -2,6 +2,10 @@
 
 Horovod and XLA strategies live in modules that import their backend only when used; importing
 this package never imports horovod or torch_xla. FSDPStrategy and ModelParallelStrategy load on first use.
+
+May import: ``checkpoint``, ``collectives``, ``launchers``, ``supervision``, ``accelerators``, ``environments``,
+``precision``, ``distributed``. Never ``training``, ``fabric``, ``connector``. Entry points: ``create_strategy``,
+``Strategy`` (set-up hooks and the flat collective primitives ``collectives`` builds on).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ Training hooks (defaults here suit any strategy whose ranks hold full replicas; 
 ``batch_to_device``, ``backward``, ``optimizer_step``, ``no_backward_sync``, ``clip_gradients_norm`` /
 ``clip_gradients_value``, ``module_init_context`` / ``tensor_init_context``, ``distributed_sampler_kwargs``,
 ``process_dataloader``, and the checkpoint hooks ``get_module_state_dict`` / ``load_module_state_dict`` /
-``get_optimizer_state`` / ``checkpoint_state`` (``fabriclite.checkpoint`` writes and reads the file).
+``get_optimizer_state`` / ``checkpoint_state`` (``fabriclite.checkpoint.saving`` writes and reads the file).
 """
 from __future__ import annotations
 
@@ -145,13 +145,13 @@ class Strategy(ABC):
     def module_init_context(self, empty_init: Optional[bool] = None) -> ContextManager:
         """Modules built inside get their parameters on this rank's device, in the precision's dtype, and
         with ``empty_init=True`` without running the parameter initialisers (for loading a checkpoint)."""
-        from fabriclite.init import module_init_context
+        from fabriclite.strategies.module_init import module_init_context
 
         return module_init_context(self.root_device, self.precision.module_init_context(), bool(empty_init))
 
     def tensor_init_context(self) -> ContextManager:
         """Tensors created inside land on this rank's device, in the precision's dtype."""
-        from fabriclite.init import module_init_context
+        from fabriclite.strategies.module_init import module_init_context
 
         return module_init_context(self.root_device, self.precision.tensor_init_context(), False)
 
@@ -201,12 +201,12 @@ class Strategy(ABC):
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
         """The checkpoint (module / optimizer state already taken) as it will be written; XLA syncs and
-        moves tensors to the CPU. Default: as is. Saving itself lives in ``fabriclite.checkpoint``."""
+        moves tensors to the CPU. Default: as is. Saving itself lives in ``fabriclite.checkpoint.saving``."""
         return state
 
     def checkpoint_writer(self, state: Dict[str, Any], filter: Optional[Dict[str, Any]]) -> Optional[Any]:
         """For checkpoints that every rank writes (a sharded strategy's directory): an object whose
-        ``write(directory)`` runs on every rank inside ``fabriclite.checkpoint``'s atomic protocol. None (the
+        ``write(directory)`` runs on every rank inside ``fabriclite.checkpoint.saving``'s atomic protocol. None (the
         default): one file of ``checkpoint_state(...)`` written by global rank 0."""
         return None
 
@@ -318,7 +318,7 @@ class Strategy(ABC):
 
 def reject_checkpoint_io(checkpoint_io: Any) -> None:
     """Lightning's ``checkpoint_io`` argument is accepted in its place, as None only: fabriclite writes
-    checkpoints itself (``fabriclite.checkpoint``: atomic, one protocol for every strategy)."""
+    checkpoints itself (``fabriclite.checkpoint.saving``: atomic, one protocol for every strategy)."""
     if checkpoint_io is not None:
         raise ValueError(f"checkpoint_io={checkpoint_io!r}: fabriclite has no CheckpointIO plugins; it writes "
                          "checkpoints itself (atomically). Leave checkpoint_io unset and use fabric.save / "

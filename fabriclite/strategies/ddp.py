@@ -12,13 +12,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fabriclite import rendezvous
-from fabriclite.network import gloo_interface
-from fabriclite.strategies import gloo_exit
+from fabriclite.distributed import rendezvous
+from fabriclite.distributed.network import gloo_interface
+from fabriclite.distributed import gloo_exit
 from fabriclite.strategies.base import copy_into
 from fabriclite.strategies.parallel import ParallelStrategy
-from fabriclite.launchers.output import prefixed_by_supervisor
-from fabriclite.strategies.progress import CollectiveWatch
+from fabriclite.supervision.output_forwarding import prefixed_by_supervisor
+from fabriclite.supervision.rank_watch import CollectiveWatch
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -161,7 +161,7 @@ class DDPStrategy(ParallelStrategy):
         self._start_watch(rank, world)
 
     def _start_watch(self, rank: int, world: int) -> None:
-        """Count collectives and publish the counts (see strategies.progress), so that a timed-out or
+        """Count collectives and publish the counts (see supervision.rank_watch), so that a timed-out or
         broken collective names the ranks that did not arrive."""
         assert self._store is not None
         try:

@@ -5,7 +5,7 @@ FSDPStrategy is a DDPStrategy for everything about processes (the process group,
 primitives, the launcher), so ``fabric.all_reduce`` & co. run on the same group as the sharding. What differs:
 how a module is wrapped (``fully_shard`` by policy, innermost first, then the root), how the optimizer follows
 the sharded parameters, gradient clipping over all shards, ``no_backward_sync`` and checkpoints (see
-``fabriclite.strategies.dcp``).
+``fabriclite.checkpoint.dcp``).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from fabriclite.strategies import sharding
+from fabriclite.strategies import fsdp2 as sharding
 from fabriclite.strategies.ddp import StartMethod
-from fabriclite.strategies.sharded import ShardedStrategy
+from fabriclite.strategies.sharded_base import ShardedStrategy
 
 #: fully_shard's own keyword arguments, accepted as extra keyword arguments
 FULLY_SHARD_KWARGS = ("reshard_after_forward", "shard_placement_fn", "ignored_params")

@@ -12,8 +12,8 @@ from typing import Any, Callable, Dict, Literal, Optional, Union
 
 from torch import nn
 
-from fabriclite.strategies import sharding
-from fabriclite.strategies.sharded import ShardedStrategy
+from fabriclite.strategies import fsdp2 as sharding
+from fabriclite.strategies.sharded_base import ShardedStrategy
 
 MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")
 

@@ -37,8 +37,9 @@ _RANK_ZERO = ("rank_zero_deprecation", "rank_zero_info", "rank_zero_only", "rank
 
 def __getattr__(name: str) -> Any:
     if name in _RANK_ZERO:
+        from fabriclite.compat.rank_zero_env import ensure_rank
         from fabriclite.utilities import rank_zero
 
-        rank_zero.ensure_rank()
+        ensure_rank()
         return getattr(rank_zero, name)
     raise AttributeError(f"module 'fabriclite.utilities' has no attribute {name!r}")

@@ -1,13 +1,3 @@
-"""``PossibleUserWarning`` (warnings that may be deliberate in user code) and the switch to silence them."""
-from __future__ import annotations
-
-import warnings
-
-
-class PossibleUserWarning(UserWarning):
-    """A warning about something that is often a mistake but may be intended."""
-
-
-def disable_possible_user_warnings(module: str = "") -> None:
-    """Ignore ``PossibleUserWarning`` from ``module`` (a regex on the module name; "" means every module)."""
-    warnings.filterwarnings("ignore", module=module, category=PossibleUserWarning)
+"""Lightning's ``lightning.fabric.utilities.warnings`` path (re-exports of fabriclite.compat.user_warnings)."""
+from fabriclite.compat.user_warnings import PossibleUserWarning  # noqa: F401
+from fabriclite.compat.user_warnings import disable_possible_user_warnings  # noqa: F401

@@ -1,0 +1,158 @@
+"""The atomic publish protocol every checkpoint writer goes through: files and directories alike.
+
+The checkpoint is written under a temporary name beside the target (``.<name>.tmp-[<tag>-]<unique>``; files
+flushed and fsynced). Once every rank is done, rank 0 swaps it in: a file with ``os.replace``; a directory (or a
+file replacing a directory, or the reverse) by renaming the old one aside (``.<name>.old-<random>``), the new one
+in, then deleting the old one; then the parent directory is fsynced. A process killed mid-write leaves the
+previous checkpoint at the target intact (and possibly a stray temporary beside it); ``recover`` puts back a
+checkpoint that a crash between the two renames left aside. Assumes one filesystem every rank writes to and
+reads from (shared by all nodes; for a file, node 0's suffices). Every rank returns from ``publish`` only when
+the checkpoint is complete, and every rank raises if any rank's write raised.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from fabriclite import collectives
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def tmp_name(parent: str, name: str, tmp_tag: str, unique: str) -> str:
+    """The temporary path beside ``parent/name``: ``.<name>.tmp-[<tmp_tag>-]<unique>``."""
+    return os.path.join(parent, f".{name}.tmp-{tmp_tag + '-' if tmp_tag else ''}{unique}")
+
+
+def publish(strategy: Any, path: PathLike, write: Callable[[str], None], directory: bool,
+            tmp_tag: str = "") -> None:
+    """The atomic protocol (module docstring): ``write(tmp)`` fills a temporary path beside ``path`` (every rank
+    writes into a temporary directory; only global rank 0 writes a file), then, once every rank is done, rank 0
+    swaps it in. Every rank returns when ``path`` holds the complete checkpoint, and raises if any rank's
+    write raised (nothing is swapped in then, and the temporary is removed)."""
+    path = os.path.abspath(os.fspath(path))
+    parent, name = os.path.split(path)
+    if directory:
+        token = strategy.broadcast_object(secrets.token_hex(4) if strategy.is_global_zero else None, 0)
+        tmp = tmp_name(parent, name, tmp_tag, token)
+        error: Optional[BaseException] = None
+        try:
+            os.makedirs(parent, exist_ok=True)
+            write(tmp)
+        except BaseException as err:  # noqa: BLE001 - every rank must hear of it
+            if not isinstance(err, Exception) and type(err).__name__ != "CheckpointException":
+                raise  # KeyboardInterrupt, SystemExit (torch.distributed.checkpoint's errors are BaseExceptions)
+            error = err
+        outcomes = strategy.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        failed = {rank: msg for rank, msg in enumerate(outcomes) if msg is not None}
+        if failed:
+            if strategy.is_global_zero:
+                _remove(tmp)
+            if error is not None:
+                raise error
+            raise RuntimeError(f"Saving {path} failed on rank(s) {sorted(failed)}: {failed}; nothing was written.")
+    with collectives.rank_zero_first(strategy):
+        if strategy.is_global_zero:
+            if not directory:
+                os.makedirs(parent, exist_ok=True)
+                tmp = tmp_name(parent, name, tmp_tag, f"{os.getpid()}-{secrets.token_hex(4)}")
+                try:
+                    write(tmp)
+                except BaseException:
+                    _remove(tmp)
+                    raise
+            swap_in(tmp, path)
+
+
+def swap_in(tmp: str, path: str) -> None:
+    """Make the complete ``tmp`` (file or directory) appear at ``path``: ``os.replace`` for a file over a file
+    (or nothing); otherwise old aside, new in, old deleted. The parent directory is fsynced after each step."""
+    parent, name = os.path.split(path)
+    if not os.path.isdir(tmp) and not os.path.isdir(path):
+        os.replace(tmp, path)
+        _fsync_dir(parent)
+        return
+    aside = None
+    if os.path.lexists(path):
+        aside = os.path.join(parent, f".{name}.old-{secrets.token_hex(4)}")
+        os.rename(path, aside)
+        _fsync_dir(parent)
+    os.rename(tmp, path)
+    _fsync_dir(parent)
+    if aside is not None:
+        _remove(aside)
+
+
+def recover(strategy: Any, path: PathLike) -> None:
+    """If ``path`` is missing because a save crashed between its two renames, put the previous checkpoint (renamed
+    aside) back. Global rank 0 looks and acts; every rank returns after (one small broadcast)."""
+    path = os.path.abspath(os.fspath(path))
+    if strategy.is_global_zero:
+        _recover_here(path)
+    if strategy.world_size > 1:
+        strategy.broadcast_object(None, 0)
+
+
+def _recover_here(path: str) -> None:
+    parent, name = os.path.split(path)
+    if os.path.lexists(path) or not os.path.isdir(parent):
+        return
+    asides = sorted((os.path.join(parent, f) for f in os.listdir(parent) if f.startswith(f".{name}.old-")),
+                    key=os.path.getmtime)
+    if asides:
+        os.rename(asides[-1], path)
+        _fsync_dir(parent)
+
+
+def atomic_save(obj: Any, path: PathLike, tmp_tag: str = "") -> None:
+    """``torch.save(obj)`` to ``path`` such that ``path`` holds either its previous content or all of the new
+    one, whatever happens to this process; the directory is created if missing. One process only: no collectives."""
+    path = os.path.abspath(os.fspath(path))
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = tmp_name(directory, name, tmp_tag, f"{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        write_file(obj, tmp)
+        swap_in(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def write_file(obj: Any, tmp: str) -> None:
+    """``torch.save(obj)`` into the new file ``tmp``, flushed and fsynced (it must not exist)."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    with os.fdopen(fd, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+__all__ = ["atomic_save", "publish", "recover", "swap_in", "tmp_name", "write_file"]

@@ -1,0 +1,152 @@
+"""Saving and loading a script's state: one file written by global rank 0, or (sharded strategies) a directory
+every rank writes its shard into; either is published through ``fabriclite.checkpoint.atomic`` and read by every
+rank.
+
+Format: ``torch.save`` of a plain dict in which modules, optimizers and other stateful objects (anything
+with ``state_dict()`` and ``load_state_dict()``) are replaced by their state_dicts. That is also Lightning
+Fabric's single-file format, so files move between the two both ways. A sharded strategy's directory
+(``fabriclite.checkpoint.dcp``) is Lightning's: a torch.distributed.checkpoint directory plus ``meta.pt``.
+Every rank returns from ``save_checkpoint`` only when the checkpoint is complete, and raises if any rank's
+write raised.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, Mapping, Optional, Union
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from fabriclite.checkpoint.atomic import publish, recover, write_file
+
+PathLike = Union[str, "os.PathLike[str]"]
+Filter = Dict[str, Callable[[str, Any], bool]]
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` is stored as its state_dict (has callable ``state_dict`` and ``load_state_dict``)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)) \
+        and not isinstance(obj, type)
+
+
+def check_filter(state: Mapping[str, Any], filter: Optional[Filter]) -> None:
+    """TypeError / ValueError for a ``filter`` that is not a dict of callables keyed by keys of ``state``."""
+    if filter is None:
+        return
+    if not isinstance(filter, dict):
+        raise TypeError(f"filter={filter!r}: expected a dict mapping state keys to callables (name, value) -> bool.")
+    unknown = set(filter) - set(state)
+    if unknown:
+        raise ValueError(f"filter keys {sorted(unknown)} are not keys of the state ({sorted(state)}).")
+    for key, fn in filter.items():
+        if not callable(fn):
+            raise TypeError(f"filter[{key!r}]={fn!r} is not callable; expected (name, value) -> bool.")
+
+
+def to_saveable(strategy: Any, state: Mapping[str, Any], filter: Optional[Filter] = None) -> Dict[str, Any]:
+    """``state`` with modules / optimizers / stateful objects replaced by their state_dicts and, for keys
+    in ``filter``, only the entries ``filter[key](name, value)`` keeps."""
+    out: Dict[str, Any] = {}
+    filter = filter or {}
+    for key, obj in state.items():
+        if isinstance(obj, nn.Module):
+            value = strategy.get_module_state_dict(obj)
+        elif isinstance(obj, Optimizer):
+            value = strategy.get_optimizer_state(obj)
+        elif is_stateful(obj):
+            value = obj.state_dict()
+        else:
+            value = obj
+        if key in filter and isinstance(value, Mapping):
+            keep = filter[key]
+            value = {name: v for name, v in value.items() if keep(name, v)}
+        out[key] = value
+    return out
+
+
+def save_checkpoint(strategy: Any, path: PathLike, state: Mapping[str, Any], filter: Optional[Filter] = None,
+         tmp_tag: str = "") -> None:
+    """Write ``state`` to ``path`` (see the module docstring). Call on every rank with the same path.
+    ``tmp_tag`` goes into the temporary name (the manifest puts the run id there)."""
+    check_filter(state, filter)
+    writer = strategy.checkpoint_writer(dict(state), filter)
+    if writer is not None:
+        publish(strategy, path, writer.write, directory=True, tmp_tag=tmp_tag)
+        return
+    checkpoint = strategy.checkpoint_state(to_saveable(strategy, state, filter))
+    publish(strategy, path, lambda tmp: write_file(checkpoint, tmp), directory=False, tmp_tag=tmp_tag)
+
+
+def read(path: PathLike, weights_only: Optional[bool] = None) -> Any:
+    """The object stored at ``path``, tensors on the CPU. ``weights_only``: None is torch.load's default
+    (True: tensors, containers and primitives only); pass False for a trusted file holding other objects.
+    FileNotFoundError naming the path when it does not exist."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Checkpoint file not found: {path}")
+    return torch.load(path, map_location="cpu", weights_only=weights_only)
+
+
+def load_checkpoint(strategy: Any, path: PathLike, state: Any = None, strict: bool = True,
+         weights_only: Optional[bool] = None) -> Dict[str, Any]:
+    """Restore ``state`` in place from ``path`` and return what was not restored.
+
+    ``state`` None / ``{}``: the whole checkpoint is returned. A module or an optimizer: the file holds its
+    bare state_dict (``load_raw``). A dict: each key present in the file is restored into its object
+    (modules / optimizers / stateful objects via ``load_state_dict``; any other value is replaced in the
+    dict); with ``strict`` a key of ``state`` missing from the file is a KeyError and a module's state_dict
+    must match exactly. A sharded checkpoint (a directory) loads into a run of any strategy and world size
+    (``fabriclite.checkpoint.dcp.load_sharded``). A save that crashed between its renames is recovered first.
+    """
+    recover(strategy, path)
+    if os.path.isdir(os.fspath(path)):
+        from fabriclite.checkpoint import dcp
+
+        if not dcp.is_sharded_checkpoint(os.fspath(path)):
+            raise IsADirectoryError(f"{os.fspath(path)} is a directory but not a sharded checkpoint (it has neither "
+                                    f"{dcp.METADATA_FILENAME} nor .metadata); pass the path of a checkpoint.")
+        return dcp.load_sharded(strategy, os.fspath(path), state, strict=strict, weights_only=weights_only)
+    checkpoint = read(path, weights_only=weights_only)
+    if not state:
+        return checkpoint
+    if isinstance(state, nn.Module):
+        strategy.load_module_state_dict(state, checkpoint, strict=strict)
+        return {}
+    if isinstance(state, Optimizer):
+        state.load_state_dict(checkpoint)
+        return {}
+    if not isinstance(checkpoint, dict):
+        raise TypeError(f"{os.fspath(path)} holds a {type(checkpoint).__name__}, not a dict of named states; "
+                        "use load_raw(path, module) for a bare state_dict.")
+    missing = [key for key in state if key not in checkpoint]
+    if strict and missing:
+        raise KeyError(f"The requested state contains key {missing[0]!r}, which is not in the checkpoint "
+                       f"{os.fspath(path)} (it has {sorted(checkpoint)}). Pass strict=False to skip missing keys.")
+    modules = [obj for obj in state.values() if isinstance(obj, nn.Module)]
+    for key, obj in list(state.items()):
+        if key not in checkpoint:
+            continue
+        if isinstance(obj, nn.Module):
+            strategy.load_module_state_dict(obj, checkpoint.pop(key), strict=strict)
+        elif isinstance(obj, Optimizer):
+            from fabriclite.checkpoint.dcp import load_optimizer_state
+
+            load_optimizer_state(modules[0] if len(modules) == 1 else None, obj, checkpoint.pop(key))
+        elif is_stateful(obj):
+            obj.load_state_dict(checkpoint.pop(key))
+        else:
+            state[key] = checkpoint.pop(key)
+    return checkpoint
+
+
+def load_raw(strategy: Any, path: PathLike, obj: Union[nn.Module, Optimizer], strict: bool = True,
+             weights_only: Optional[bool] = None) -> None:
+    """Load a bare state_dict file (e.g. ``torch.save(model.state_dict(), path)``) into ``obj``."""
+    if not isinstance(obj, (nn.Module, Optimizer)):
+        raise TypeError(f"load_raw(path, obj): obj must be a torch.nn.Module or torch.optim.Optimizer; got "
+                        f"{type(obj).__name__}.")
+    load_checkpoint(strategy, path, obj, strict=strict, weights_only=weights_only)
+
+
+__all__ = ["check_filter", "is_stateful", "load_checkpoint", "load_raw", "read", "save_checkpoint", "to_saveable"]

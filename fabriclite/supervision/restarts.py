@@ -1,0 +1,227 @@
+"""Restarts: when a rank fails, every node stops its ranks as usual, then the job starts all of them again,
+up to ``max_restarts`` times (``fabriclite run --max-restarts N``, ``Fabric(max_restarts=N)``,
+``$FABRICLITE_MAX_RESTARTS``).
+
+- Rounds. Round 0 is the first start; each restart is the next round. Ranks learn theirs from
+  ``$FABRICLITE_RESTART_COUNT`` (``fabric.restart_count``) and meet in that round's own part of the job's store
+  (``rendezvous.round_store``), so no rank of an old round can join a new one (and old rounds' ranks are all
+  reaped before a new round starts anyway).
+- Agreement. After a failed round every node's supervisor reports, in the job's store, whether it can go on
+  (it cannot after a signal or a preemption); node 0's supervisor decides for the job (restarts left, the
+  ``--restart-window`` not over, every node able) and publishes the decision with the next round's delay. A
+  node that does not report within AGREE_S ends the job.
+- Backoff: 1 s before the first restart, doubling, at most 30 s (``$FABRICLITE_RESTART_BACKOFF`` sets the
+  first delay, for tests).
+- Reporting: each failure's summary is printed when it happens, with what comes next; the final summary lists
+  every round. When the restarts are used up the job fails with the last failure's exit code, naming it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+from fabriclite.distributed import rendezvous
+
+MAX_RESTARTS_ENV = "FABRICLITE_MAX_RESTARTS"
+WINDOW_ENV = "FABRICLITE_RESTART_WINDOW"
+BACKOFF_ENV = "FABRICLITE_RESTART_BACKOFF"
+MAX_BACKOFF_S = 30.0
+#: how long node 0 waits for every node's report after a failed round, and the others for its decision
+AGREE_S = 60.0
+_POLL_S = 0.05
+
+
+def parse_max_restarts(value: Any, where: str = "max_restarts") -> int:
+    """``value`` (an int, or a string of digits) as an int >= 0; ValueError naming ``where`` otherwise."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}={value!r}: expected a whole number >= 0 (how many times to restart the job "
+                         "after a failure).")
+    return value
+
+
+def parse_seconds(value: Any, where: str, allow_zero: bool = True) -> float:
+    """``value`` as a finite number of seconds >= 0 (> 0 without ``allow_zero``); ValueError naming ``where``."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(value, bool) or not (seconds >= 0 and seconds != float("inf")) or (seconds == 0 and not allow_zero):
+        raise ValueError(f"{where}={value!r}: expected a number of seconds >= 0{'' if allow_zero else ' (not 0)'}.")
+    return seconds
+
+
+def resolve_max_restarts(value: Optional[int]) -> int:
+    """``Fabric(max_restarts=...)`` against ``$FABRICLITE_MAX_RESTARTS`` (set by the user, or by the supervisor
+    for its ranks): the env fills a value the code left None; a different explicit value is a ValueError (it
+    cannot take effect once the supervisor runs)."""
+    raw = os.environ.get(MAX_RESTARTS_ENV)
+    env = parse_max_restarts(raw, f"${MAX_RESTARTS_ENV}") if raw not in (None, "") else None
+    if value is None:
+        return env or 0
+    value = parse_max_restarts(value)
+    if env is not None and env != value:
+        raise ValueError(f"Fabric(max_restarts={value}) differs from {MAX_RESTARTS_ENV}={raw} that the supervisor "
+                         "(`fabriclite run --max-restarts` or the environment) was started with; it cannot take "
+                         "effect. Pass the value in one place only.")
+    return value
+
+
+def restart_count() -> int:
+    """This rank's round: ``$FABRICLITE_RESTART_COUNT`` under fabriclite's supervisor, torchrun's
+    ``$TORCHELASTIC_RESTART_COUNT`` under torchrun, else 0."""
+    for name in (rendezvous.ROUND_ENV, "TORCHELASTIC_RESTART_COUNT"):
+        raw = os.environ.get(name, "")
+        if raw.isdigit():
+            return int(raw)
+    return 0
+
+
+@dataclass
+class RestartPolicy:
+    """How often, and for how long, a failed job is started again."""
+
+    max_restarts: int = 0
+    window_s: Optional[float] = None
+    first_backoff_s: float = 1.0
+
+    @classmethod
+    def from_env(cls, max_restarts: int) -> "RestartPolicy":
+        """``max_restarts`` with ``$FABRICLITE_RESTART_WINDOW`` and ``$FABRICLITE_RESTART_BACKOFF`` (script mode)."""
+        window = os.environ.get(WINDOW_ENV)
+        backoff = os.environ.get(BACKOFF_ENV)
+        return cls(max_restarts, parse_seconds(window, f"${WINDOW_ENV}") if window else None,
+                   parse_seconds(backoff, f"${BACKOFF_ENV}") if backoff else 1.0)
+
+    def backoff(self, restart: int) -> float:
+        """The delay before restart number ``restart`` (0 first)."""
+        return min(MAX_BACKOFF_S, self.first_backoff_s * (2 ** restart))
+
+
+@dataclass
+class Round:
+    number: int
+    started: float
+    ended: float = 0.0
+    code: Optional[int] = None
+    what: str = ""
+
+
+@dataclass
+class History:
+    """Every round of the job, for the final summary."""
+
+    policy: RestartPolicy
+    started: float = field(default_factory=time.monotonic)
+    rounds: List[Round] = field(default_factory=list)
+
+    def table(self) -> str:
+        used = len(self.rounds) - 1
+        lines = [f"fabriclite: {len(self.rounds)} rounds ({used} of {self.policy.max_restarts} restarts used):"]
+        for r in self.rounds:
+            outcome = "succeeded" if r.code == 0 else (r.what or f"failed with exit code {r.code}")
+            lines.append(f"  round {r.number}: {outcome} ({r.ended - r.started:.1f} s)")
+        return "\n".join(lines)
+
+
+def first_line(summary: str) -> str:
+    """What failed, from a supervisor's summary ("rank 1 (local rank 1, node 0) was killed by SIGKILL")."""
+    line = summary.strip().splitlines()[0] if summary.strip() else "failed"
+    for prefix in ("fabriclite: the job failed: ", "fabriclite: "):
+        if line.startswith(prefix):
+            return line[len(prefix):].rstrip(".")
+    return line
+
+
+def run_rounds(supervisor: Any, play: Callable[[int], int], report: Callable[[str], None]) -> int:
+    """Play rounds (``play(round)`` starts, watches and stops the node's ranks, returning the round's code and
+    leaving its summary in ``supervisor.summary``) until one succeeds, the job cannot go on, or the restarts are
+    used up. Returns the job's exit code; ``supervisor.summary`` becomes the final summary."""
+    policy: RestartPolicy = supervisor.restarts
+    history = History(policy)
+    number = 0
+    while True:
+        current = Round(number, time.monotonic())
+        history.rounds.append(current)
+        code = play(number)
+        current.ended, current.code = time.monotonic(), code
+        if code != 0:
+            current.what = f"failed: {first_line(supervisor.summary)}"
+        if code == 0 or not policy.max_restarts:
+            if number > 0:
+                supervisor.summary = "\n".join(s for s in (supervisor.summary, history.table()) if s)
+            return code
+        able = supervisor.can_restart()
+        delay = _agree(supervisor, number, able, history)
+        if delay is None:
+            reason = _why_not(supervisor, number, able, history)
+            supervisor.summary = (f"{supervisor.summary}\n{history.table()}\nfabriclite: not restarting: {reason}; the "
+                                  f"job failed, last failure: {first_line(supervisor.summary)}.")
+            return supervisor.stopped_code(code)
+        report(f"{supervisor.summary}\nfabriclite: restarting every rank in {delay:g} s (round {number + 1}, restart "
+               f"{number + 1} of {policy.max_restarts}).")
+        time.sleep(delay)  # the backoff itself, not a synchronisation
+        if not supervisor.can_restart():  # a signal or a preemption notice during the backoff
+            supervisor.summary = (f"{history.table()}\nfabriclite: not restarting: the job was interrupted or "
+                                  f"preempted during the backoff; last failure: {first_line(supervisor.summary)}.")
+            return supervisor.stopped_code(code)
+        number += 1
+
+
+def _why_not(supervisor: Any, number: int, able: bool, history: History) -> str:
+    policy = history.policy
+    if not able:
+        return "the job was interrupted or preempted"
+    if number >= policy.max_restarts:
+        return f"the {policy.max_restarts} restarts (--max-restarts) are used up"
+    if policy.window_s is not None:
+        return f"the restart window of {policy.window_s:g} s (--restart-window) is over"
+    return "another node cannot go on"
+
+
+def _allowed(history: History, number: int) -> Optional[float]:
+    policy = history.policy
+    if number >= policy.max_restarts:
+        return None
+    delay = policy.backoff(number)
+    if policy.window_s is not None and time.monotonic() - history.started + delay > policy.window_s:
+        return None
+    return delay
+
+
+def _agree(supervisor: Any, number: int, able: bool, history: History) -> Optional[float]:
+    """The delay before the next round, the same on every node, or None to stop (see the module docstring)."""
+    if supervisor.layout.num_nodes == 1:
+        return _allowed(history, number) if able else None
+    store = rendezvous.prefixed(supervisor.raw_store, f"restarts/{number}")
+    node, nodes = supervisor.layout.node_rank, supervisor.layout.num_nodes
+    try:
+        store.set(f"node/{node}", "1" if able else "0")
+        if node != 0:
+            return _wait_decision(store)
+        deadline = time.monotonic() + AGREE_S
+        while not all(store.check([f"node/{n}"]) for n in range(nodes)):
+            if time.monotonic() > deadline:
+                able = False
+                break
+            time.sleep(_POLL_S)
+        else:
+            able = able and all(store.get(f"node/{n}") == b"1" for n in range(nodes))
+        delay = _allowed(history, number) if able else None
+        store.set("decision", json.dumps({"delay": delay}))
+        return delay
+    except RuntimeError:  # node 0's store is gone: the job cannot restart
+        return None
+
+
+def _wait_decision(store: Any) -> Optional[float]:
+    deadline = time.monotonic() + AGREE_S + 5
+    while not store.check(["decision"]):
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(_POLL_S)
+    return json.loads(store.get("decision"))["delay"]

@@ -1,0 +1,390 @@
+"""The supervisor: starts one node's ranks, watches them, and turns the first failure anywhere in
+the job into one clear ending.
+
+- It hosts (node 0) or joins (other nodes) the job's rendezvous store, so the store outlives every
+  rank; ranks connect to it as clients.
+- A rank that exits non-zero or dies by a signal stops the others (SIGTERM, then SIGKILL after a
+  grace period), is named in one summary with the first failing rank's traceback (from the error
+  file each rank writes), and the supervisor's exit code is non-zero.
+- A rank that raised (its error file exists) counts as failed without waiting for its slow exit; the
+  root cause is the earliest failure that is not a mere "lost peer" error.
+- Across nodes, a failure is published in the store; every other node's supervisor polls it and
+  stops its ranks, naming the failed node and rank. Node 0 keeps the store up until the other
+  nodes have ended (or, after a failure, read it).
+- The ranks die with the supervisor (PR_SET_PDEATHSIG), and a reaper process kills what they
+  started if the supervisor is killed (see reaper.py).
+- SIGINT to the supervisor stops every rank (exit code 130); the first SIGTERM / SIGUSR1 is a preemption
+  notice with a grace period (supervision/preemption.py), a second one stops every rank (128 + signal).
+- Restarts (supervision/restarts.py): with ``restarts.max_restarts``, a failed round is followed by a new one.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Protocol, Set
+
+from fabriclite.distributed import rendezvous
+from fabriclite.environments.fabriclite_env import child_env
+from fabriclite.supervision.rank_child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
+from fabriclite.supervision.failures import Failure, remote_is_root, root_cause, signal_name, summarize
+from fabriclite.supervision.output_forwarding import OutputOptions
+from fabriclite.supervision.linger import leave
+from fabriclite.supervision.preemption import EXIT_PREEMPTED, PreemptOptions, Preemption, stop_marker
+from fabriclite.supervision.reaper import Reaper
+from fabriclite.supervision.restarts import MAX_RESTARTS_ENV, RestartPolicy, run_rounds
+from fabriclite.supervision.stopping import kill_group, print_summary, reap
+
+POLL_S = 0.05
+#: how long to wait for the root cause when only ranks that lost a peer have been seen failing
+SECONDARY_WAIT_S = 1.0
+#: how long a rank that raised may take to exit by itself before it counts as failed anyway
+RAISED_GRACE_S = 0.25
+REMOTE_POLL_S = 0.5
+DEFAULT_MULTI_NODE_PORT = 29500
+
+
+class Worker(Protocol):
+    pid: int
+
+    def poll(self) -> Optional[int]:
+        """None while running, else the exit code (negative: killed by that signal)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this node's ranks sit in the job."""
+
+    num_nodes: int
+    node_rank: int
+    local_world_size: int
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.local_world_size
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.local_world_size + local_rank
+
+
+class JobFailed(RuntimeError):
+    """A rank of the job failed; the message is the supervisor's summary."""
+
+    def __init__(self, summary: str, exit_code: int) -> None:
+        super().__init__(summary)
+        self.exit_code = exit_code
+
+
+class Supervisor:
+    """Runs this node's ranks: ``run(start)`` calls ``start(local_rank, env)`` once per local rank
+    and returns the node's exit code (0 only when every rank here exited 0 and no node failed).
+
+    ``summary`` holds the one report of a failed job (printed to stderr when ``report``);
+    ``grace_s``: how long stopped ranks get between SIGTERM and SIGKILL."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        main_address: str,
+        main_port: int,
+        timeout: timedelta,
+        output: Optional[OutputOptions] = None,
+        grace_s: float = 3.0,
+        extra_env: Optional[Dict[str, str]] = None,
+        report: bool = True,
+        restarts: Optional[RestartPolicy] = None,
+        preempt: Optional[PreemptOptions] = None,
+    ) -> None:
+        if layout.num_nodes > 1 and not main_port:
+            main_port = DEFAULT_MULTI_NODE_PORT  # every node must agree; one node alone picks a free port
+        self.layout = layout
+        self.main_address = main_address
+        self.main_port = main_port
+        self.timeout = timeout
+        self.output = output or OutputOptions.from_env()
+        self.grace_s = grace_s
+        self.extra_env = dict(extra_env or {})
+        self.report = report
+        self.summary = ""
+        self._signal: Optional[int] = None
+        self._workers: Dict[int, Worker] = {}
+        self._tmpdir = ""
+        self._store: Any = None
+        self._raw_store: Any = None
+        self._opening = False
+        self._stopped: Set[int] = set()
+        self._raised_at: Dict[int, float] = {}
+        self._finished: List[int] = []
+        self._reaper: Optional[Reaper] = None
+        self.restarts = restarts or RestartPolicy()
+        #: the restart round being played (0: the first start)
+        self.round = 0
+        self.run_id = rendezvous.run_id()
+        self.preemption = Preemption(preempt)
+
+    # ------------------------------------------------------------------ the job's store
+    def _open_store(self) -> None:
+        if self.layout.node_rank == 0:
+            self._raw_store = rendezvous.host_store(self.main_address, self.main_port, self.timeout)
+            self.main_port = self._raw_store.port
+        else:
+            self._raw_store = rendezvous.join_store(self.main_address, self.main_port, self.timeout)
+        self._store = rendezvous.prefixed(self._raw_store, rendezvous.KEY_PREFIX)  # round 0's (see _play)
+
+    def child_env(self, local_rank: int) -> Dict[str, str]:
+        """The variables a rank started here runs with (read by FabricliteEnvironment), plus the
+        usual RANK / LOCAL_RANK / WORLD_SIZE names for user code, and where to report errors."""
+        layout = self.layout
+        rank = layout.global_rank(local_rank)
+        values = child_env(rank, local_rank, layout.node_rank, layout.world_size, layout.local_world_size,
+                           layout.num_nodes, self.main_address, self.main_port)
+        values.update({
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(layout.world_size),
+            "LOCAL_WORLD_SIZE": str(layout.local_world_size), "NODE_RANK": str(layout.node_rank),
+            ERROR_FILE_ENV: self._error_file(local_rank), SUPERVISOR_PID_ENV: str(os.getpid()),
+            rendezvous.ROUND_ENV: str(self.round), rendezvous.RUN_ID_ENV: self.run_id,
+            MAX_RESTARTS_ENV: str(self.restarts.max_restarts),
+        })
+        return {**self.extra_env, **values}
+
+    @property
+    def private_fds(self) -> List[int]:
+        """File descriptors a rank must not keep open (a forked rank inherits them: close them)."""
+        fd = self._reaper.fd if self._reaper is not None else None
+        return [] if fd is None else [fd]
+
+    def _error_file(self, local_rank: int) -> str:
+        return os.path.join(self._tmpdir, f"error-{self.round}-{local_rank}.json")
+
+    @property
+    def _stop_marker(self) -> str:
+        return stop_marker(self._error_file(0))
+
+    @property
+    def raw_store(self) -> Any:
+        """The job's store, unprefixed (node 0 hosts it)."""
+        return self._raw_store
+
+    def can_restart(self) -> bool:
+        """Whether this node may start a new round (not after a signal)."""
+        return self._signal is None and not self.preemption.active
+
+    def stopped_code(self, code: int) -> int:
+        """The exit code of a failed round that is not restarted: 75 when preempted, else ``code``."""
+        return EXIT_PREEMPTED if self.preemption.active else code
+
+    # ------------------------------------------------------------------ running
+    def run(self, start: Callable[[int, Dict[str, str]], Worker]) -> int:
+        """Open the job's store, start the ranks, watch them; return the node's exit code.
+
+        Raises RendezvousError (naming address and port) when the store cannot be hosted or joined;
+        a signal while joining ends the wait at once (exit code 128 + signal)."""
+        self._tmpdir = tempfile.mkdtemp(prefix="fabriclite-")
+        restore = self._install_signal_handlers()
+        try:
+            code = self._open()
+            if code is None and self.restarts.max_restarts:
+                code = run_rounds(self, lambda number: self._play(start, number), self._report)
+            elif code is None:
+                code = self._play(start, 0)
+            self._stop_all()
+            self.output.close()
+            code, line = self.preemption.finish(code, self.layout.node_rank)
+            self.summary = "\n".join(s for s in (self.summary, line) if s)
+            if self.report:
+                print_summary(self.summary)
+            self._leave(failed=code != 0)
+            return code
+        finally:
+            self._stop_all()
+            if self._reaper is not None:
+                self._reaper.close()
+            restore()
+            self.output.close()
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def _open(self) -> Optional[int]:
+        """Open the job's store; None, or the exit code of a signal that arrived meanwhile."""
+        self._reaper = Reaper()
+        self._opening = True
+        try:
+            self._open_store()
+        except _Interrupted:
+            return self._interrupted(self._signal or signal.SIGINT)
+        finally:
+            self._opening = False
+        return None
+
+    def _play(self, start: Callable[[int, Dict[str, str]], Worker], number: int) -> int:
+        """Round ``number``: start this node's ranks in that round's part of the store, watch them, stop
+        them; the round's exit code (its summary in ``summary``)."""
+        assert self._reaper is not None
+        self.round, self.summary = number, ""
+        self._store = rendezvous.prefixed(rendezvous.round_store(self._raw_store, number), rendezvous.KEY_PREFIX)
+        self._workers, self._raised_at, self._finished = {}, {}, []
+        if os.path.exists(self._stop_marker):
+            os.unlink(self._stop_marker)
+        for local_rank in range(self.layout.local_world_size):
+            worker = self._workers[local_rank] = start(local_rank, self.child_env(local_rank))
+            self._reaper.watch(worker.pid)  # each rank leads its own process group
+        code = self._watch()
+        self._stop_all()
+        self.output.close()
+        return code
+
+    def _report(self, text: str) -> None:
+        if self.report:
+            print_summary(text)
+
+    def _watch(self) -> int:
+        running = dict(self._workers)
+        failures: List[Failure] = []
+        next_remote = time.monotonic() + REMOTE_POLL_S
+        while running:
+            if self._signal is not None:
+                return self._interrupted(self._signal)
+            if self.preemption.expired():
+                return self._preempted()
+            self._poll(running, failures)
+            if failures:
+                self._collect_more(running, failures)
+                return self._fail(failures)
+            if self.layout.num_nodes > 1 and time.monotonic() >= next_remote:
+                next_remote = time.monotonic() + REMOTE_POLL_S
+                self._beat()
+                remote = rendezvous.read_failure(self._store)
+                if remote is not None:
+                    self.summary = (f"fabriclite: the job failed on {rendezvous.describe_failure(remote)}\n"
+                                    f"  stopping the ranks of node {self.layout.node_rank}.")
+                    return 1
+            time.sleep(POLL_S)
+        return 0
+
+    def _beat(self) -> None:
+        """Tell node 0's supervisor this one is alive (it waits for live nodes before it leaves)."""
+        try:
+            self._store.add(f"beat/{self.layout.node_rank}", 1)
+        except RuntimeError:
+            pass  # the next read of the failure flag reports the lost store
+
+    def _poll(self, running: Dict[int, Worker], failures: List[Failure]) -> None:
+        """Move ranks that ended, or that raised (their error file exists) and are still exiting
+        after RAISED_GRACE_S (an interpreter with torch takes a second or more to exit), from
+        ``running`` to ``failures`` (exit 0 is no failure)."""
+        now = time.monotonic()
+        for local_rank, worker in list(running.items()):
+            code = worker.poll()
+            if code is None:
+                if local_rank not in self._raised_at:
+                    if os.path.exists(self._error_file(local_rank)):
+                        self._raised_at[local_rank] = now
+                    continue
+                if now - self._raised_at[local_rank] < RAISED_GRACE_S:
+                    continue
+            del running[local_rank]
+            if code == 0:
+                self._finished.append(self.layout.global_rank(local_rank))
+            else:
+                failures.append(Failure.from_exit(self.layout.node_rank, self.layout.global_rank(local_rank),
+                                                  local_rank, code, self._error_file(local_rank), POLL_S))
+
+    def _collect_more(self, running: Dict[int, Worker], failures: List[Failure]) -> None:
+        """Give ranks that failed at nearly the same time a moment to be seen too; longer (up to
+        SECONDARY_WAIT_S) while every failure seen only reports a lost peer."""
+        start = time.monotonic()
+        while running:
+            time.sleep(POLL_S)
+            self._poll(running, failures)
+            waited = time.monotonic() - start
+            if waited >= 0.1 and (waited >= SECONDARY_WAIT_S or not all(f.secondary for f in failures)):
+                return
+
+    def _fail(self, failures: List[Failure]) -> int:
+        remote = rendezvous.read_failure(self._store) if self.layout.num_nodes > 1 else None
+        failed = {f.local_rank for f in failures}
+        stopping = [self.layout.global_rank(r) for r, w in self._workers.items()
+                    if r not in failed and w.poll() is None]
+        self.summary = summarize(failures, remote, self.layout.node_rank, stopping, self._finished)
+        root = root_cause(failures)
+        if remote_is_root(remote, root, self.layout.node_rank):
+            return 1
+        rendezvous.publish_failure(self._store, root.record())
+        return root.exit_code
+
+    def _interrupted(self, signum: int) -> int:
+        name = signal_name(signum)
+        self.summary = f"fabriclite: stopped every rank on node {self.layout.node_rank} on {name}."
+        if self._store is not None:
+            rendezvous.publish_failure(self._store, {
+                "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
+                "message": f"the supervisor of node {self.layout.node_rank} received {name}"})
+        return 128 + signum
+
+    def _preempted(self) -> int:
+        """The grace period after a preemption signal is over: publish it (the other nodes stop too)."""
+        self.summary = self.preemption.expired_summary(self.layout.node_rank)
+        rendezvous.publish_failure(self._store, {
+            "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
+            "message": f"the supervisor of node {self.layout.node_rank} was preempted and stopped its ranks"})
+        return EXIT_PREEMPTED
+
+    def _leave(self, failed: bool) -> None:
+        """Across nodes, node 0 keeps the store up until the other nodes have ended (see linger.py)."""
+        if self.layout.num_nodes > 1 and self._store is not None:
+            leave(self._store, self.layout.node_rank, self.layout.num_nodes, failed, lambda: self._signal is not None)
+
+    # ------------------------------------------------------------------ stopping
+    def _stop_all(self) -> None:
+        """SIGTERM every rank's process group, SIGKILL what is left after the grace period (the
+        ranks' own children included; the summary names ranks that had to be SIGKILLed), reap the
+        ranks. Idempotent."""
+        workers = {r: w for r, w in self._workers.items() if w.pid not in self._stopped}
+        alive = {r: w for r, w in workers.items() if w.poll() is None}
+        if alive and self._tmpdir:
+            open(self._stop_marker, "w").close()  # ranks that record SIGTERM: this one means "end now"
+        for worker in alive.values():
+            kill_group(worker.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while any(w.poll() is None for w in alive.values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stubborn = [self.layout.global_rank(r) for r, w in alive.items() if w.poll() is None]
+        if stubborn and self.summary:
+            self.summary += (f"\n  ranks {stubborn} did not end within {self.grace_s:g} s of SIGTERM and were "
+                             f"killed (SIGKILL).")
+        for worker in workers.values():  # anything left, grandchildren included
+            kill_group(worker.pid, signal.SIGKILL)
+        for worker in workers.values():
+            reap(worker)
+            self._stopped.add(worker.pid)
+            if self._reaper is not None:
+                self._reaper.forget(worker.pid)
+
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+
+        def handler(signum: int, frame: Any) -> None:
+            if not self._opening and self.preemption.notice(signum, self._workers):
+                return  # the first SIGTERM / SIGUSR1: a grace period (see supervision/preemption.py)
+            self._signal = signum
+            if self._opening:  # waiting for node 0's store: stop waiting now
+                raise _Interrupted()
+
+        for s in previous:
+            signal.signal(s, handler)
+
+        def restore() -> None:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+        return restore
+
+
+class _Interrupted(Exception):
+    """A signal arrived while the supervisor waited for the job's store."""

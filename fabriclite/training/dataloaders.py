@@ -1,0 +1,180 @@
+"""Data loading across ranks: ``setup_dataloader`` (distributed sampling, worker seeding, device transfer)
+and ``gather_eval`` (every rank's per-sample results over an eval set, padding duplicates removed).
+
+Sampling: a loader whose sampler is a plain ``RandomSampler`` / ``SequentialSampler`` gets a
+``DistributedSampler`` over its dataset (shuffle kept, seed from ``seed_everything``, ``drop_last=False``
+so that every sample is seen: ranks with fewer samples repeat the first ones as padding). Any other
+sampler is sharded by ``DistributedSamplerWrapper``; a custom batch sampler is sharded batch by batch.
+The loader's own ``batch_size`` / ``drop_last`` / workers / collate function are kept.
+"""
+from __future__ import annotations
+
+import copy
+from functools import partial
+from typing import Any, Dict, Iterator, List, Optional, Sized, Union
+
+from torch import Tensor
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
+                              Sampler, SequentialSampler)
+
+from fabriclite.training.seeding import global_seed, seed_workers_enabled, worker_init_fn
+from fabriclite.strategies.base import Strategy
+from fabriclite.training.wrapping import FabricDataLoader
+
+
+class _SamplerAsDataset(Dataset):
+    """The indices a sampler yields, as a dataset (re-drawn at every ``reset``)."""
+
+    def __init__(self, sampler: Union[Sampler, Sized]) -> None:
+        if not isinstance(sampler, Sized):
+            raise TypeError(f"The loader's sampler {type(sampler).__name__} has no __len__, so it cannot be sharded "
+                            "across ranks. Give it a __len__, or pass use_distributed_sampler=False and shard it "
+                            "yourself.")
+        self.sampler = sampler
+        self._indices: Optional[List[Any]] = None
+
+    def reset(self) -> None:
+        self._indices = list(self.sampler)  # type: ignore[call-overload]
+
+    def __getitem__(self, index: int) -> Any:
+        if self._indices is None:
+            self.reset()
+        assert self._indices is not None
+        return self._indices[index]
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class DistributedSamplerWrapper(DistributedSampler):
+    """Shards any sized sampler (or batch sampler) across ranks: each epoch draws the full sequence from
+    ``sampler`` and yields this rank's share (every ``num_replicas``-th item, padded like
+    ``DistributedSampler``). Shuffling is the wrapped sampler's business; ``set_epoch`` is passed on to it.
+    """
+
+    def __init__(self, sampler: Union[Sampler, Sized], num_replicas: int, rank: int, **kwargs: Any) -> None:
+        kwargs.setdefault("shuffle", False)
+        super().__init__(_SamplerAsDataset(sampler), num_replicas=num_replicas, rank=rank, **kwargs)
+
+    @property
+    def sampler(self) -> Any:
+        return self.dataset.sampler  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Iterator[Any]:
+        self.dataset.reset()  # type: ignore[attr-defined]
+        return (self.dataset[index] for index in super().__iter__())
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
+
+
+def setup_dataloader(dataloader: DataLoader, strategy: Strategy, use_distributed_sampler: bool = True,
+                     move_to_device: bool = True) -> FabricDataLoader:
+    """``dataloader`` prepared for this rank (see the module docstring); the original is not modified.
+
+    Iterating the result moves every batch (nested tensors) to the strategy's device when
+    ``move_to_device``, and calls ``set_epoch`` on the sampler for each new epoch.
+    """
+    if isinstance(dataloader, FabricDataLoader):
+        raise ValueError("This dataloader was set up already; pass each loader to setup_dataloaders() once.")
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(f"setup_dataloaders() takes torch.utils.data.DataLoader objects; got "
+                        f"{type(dataloader).__name__}.")
+    loader = copy.copy(dataloader)
+    loader._iterator = None  # type: ignore[attr-defined] # do not share persistent workers with the original
+    kwargs = strategy.distributed_sampler_kwargs
+    if use_distributed_sampler and kwargs is not None and not isinstance(loader.dataset, IterableDataset):
+        _shard(loader, kwargs)
+    if seed_workers_enabled() and loader.worker_init_fn is None and loader.num_workers > 0:
+        loader.worker_init_fn = partial(worker_init_fn, rank=strategy.global_rank)
+    loader = strategy.process_dataloader(loader)
+    return FabricDataLoader(loader, strategy, strategy.root_device if move_to_device else None)
+
+
+def _shard(loader: DataLoader, kwargs: Dict[str, Any]) -> None:
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        if isinstance(batch_sampler, DistributedSamplerWrapper):
+            return
+        _set(loader, "batch_sampler", DistributedSamplerWrapper(batch_sampler, **kwargs))
+        return
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):
+        return
+    new = distributed_sampler(loader.dataset, sampler, kwargs)
+    _set(loader, "sampler", new)
+    if batch_sampler is not None:
+        _set(loader, "batch_sampler", BatchSampler(new, batch_sampler.batch_size, batch_sampler.drop_last))
+
+
+def distributed_sampler(dataset: Any, sampler: Any, kwargs: Dict[str, Any]) -> DistributedSampler:
+    """The sampler that replaces ``sampler``: a DistributedSampler for plain random / sequential sampling
+    (shuffle kept, seeded with the global seed), a DistributedSamplerWrapper for anything else."""
+    plain_random = type(sampler) is RandomSampler and not sampler.replacement and \
+        sampler.num_samples == len(sampler.data_source)
+    if plain_random or type(sampler) is SequentialSampler:
+        return DistributedSampler(dataset, shuffle=plain_random, seed=global_seed(), drop_last=False, **kwargs)
+    return DistributedSamplerWrapper(sampler, **kwargs)
+
+
+def gather_eval(strategy: Strategy, data: Any, dataloader: Any) -> Any:
+    """Every rank's per-sample results over one pass of ``dataloader``, on every rank, in the sampler's
+    order, each sample exactly once: the first dimension of every tensor leaf becomes ``len(sampler)``
+    (``len(dataset)`` for the default samplers), the padding duplicates of the distributed sampler dropped.
+
+    ``data``: a tensor or nested collection (dict / list / tuple) of tensors whose first dimension runs over
+    the samples this rank saw, in order (e.g. the concatenated per-batch predictions). Raises ValueError
+    when the loader's sampling cannot be undone (batch-level ``drop_last``, a sharded batch sampler, no
+    distributed sampler with several ranks) or a leaf's length is not this rank's sample count.
+    """
+    from fabriclite import collectives
+
+    loader = dataloader.dataloader if isinstance(dataloader, FabricDataLoader) else dataloader
+    world = strategy.world_size
+    sampler = getattr(loader, "sampler", None)
+    if world == 1:  # nothing to gather, no padding
+        return data
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or sampler.num_replicas != world:
+        raise ValueError("gather_eval() needs the loader returned by setup_dataloaders() (with the default "
+                         f"use_distributed_sampler=True); its sampler is {type(sampler).__name__}.")
+    if type(loader.batch_sampler) not in (BatchSampler, type(None)) or getattr(loader, "drop_last", False):
+        raise ValueError("gather_eval() cannot recover every sample from a loader with drop_last=True or a custom "
+                         "batch sampler; evaluate with drop_last=False and the default batch sampler.")
+    per_rank, total = sampler.num_samples, len(sampler.dataset)  # type: ignore[arg-type]
+
+    def check(t: Tensor) -> Tensor:
+        if not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] != per_rank:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"gather_eval(): every leaf must be a tensor with this rank's {per_rank} samples "
+                             f"along dim 0 (ceil({total}/{world})); got {shape}. Concatenate the results of one "
+                             "full pass over the loader.")
+        return t
+
+    _map_tensors(data, check, strict=True)
+    gathered = collectives.all_gather(strategy, data)
+
+    def interleave(t: Tensor) -> Tensor:  # (world, per_rank, ...) -> (per_rank * world, ...)[:total]
+        return t.transpose(0, 1).reshape(per_rank * world, *t.shape[2:])[:total]
+
+    return _map_tensors(gathered, interleave)
+
+
+def _map_tensors(data: Any, fn: Any, strict: bool = False) -> Any:
+    if isinstance(data, Tensor):
+        return fn(data)
+    if isinstance(data, dict):
+        return type(data)((k, _map_tensors(v, fn, strict)) for k, v in data.items())
+    if isinstance(data, (list, tuple)):
+        items = [_map_tensors(v, fn, strict) for v in data]
+        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
+    if strict:
+        return fn(data)
+    return data
+
+
+def _set(loader: DataLoader, name: str, value: Any) -> None:
+    """Set a DataLoader attribute that DataLoader forbids changing after construction (on our copy)."""
+    object.__setattr__(loader, name, value)
+

@@ -1,0 +1,375 @@
+"""The wrappers ``Fabric.setup()`` / ``setup_dataloaders()`` return, and the set-up flow that makes them.
+
+- ``FabricModule``: an ``nn.Module`` whose ``forward`` runs the strategy's module (DDP, ...) under the
+  precision plugin (inputs converted, autocast, outputs converted back). Attribute access and method calls
+  go to the original module; ``.module`` gives it back; ``state_dict()`` has the original's keys (no
+  ``"module."`` prefix).
+- ``FabricOptimizer``: steps through ``strategy.optimizer_step`` (gradient scaling etc.), supports
+  ``step(closure)``; ``isinstance(wrapped, type(original))`` holds.
+- ``FabricDataLoader``: iterates the loader with the batches moved to the device and calls the sampler's
+  ``set_epoch`` once per new epoch (each ``iter()``); its position (epoch, and batch inside the epoch) is
+  saved / restored with ``state_dict()`` so a resumed run continues with the next batch (loader_position).
+"""
+from __future__ import annotations
+
+from types import MethodType
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from fabriclite.checkpoint import loader_position
+from fabriclite.training.callbacks import call_hook
+from fabriclite.strategies.base import Strategy
+
+#: LightningModule-style step methods that go through the strategy's forward (like ``forward``)
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+class FabricModule(nn.Module):
+    """Runs ``forward_module`` (the strategy's wrapper, e.g. DDP) under the precision plugin and forwards
+    everything else to ``original_module``."""
+
+    def __init__(self, forward_module: nn.Module, strategy: Strategy,
+                 original_module: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        self._forward_module = forward_module
+        self._original_module = forward_module if original_module is None else original_module
+        self._strategy = strategy
+        self._forward_methods: Set[str] = set(STEP_METHODS)
+        self._fabric_module_initialized = True
+
+    @property
+    def module(self) -> nn.Module:
+        """The module that was passed to ``setup()``."""
+        return self._original_module
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the first parameter (the strategy's device when there is none)."""
+        for param in self._original_module.parameters():
+            return param.device
+        return self._strategy.root_device
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's output, with float inputs cast for ``*-true`` precisions and the forward run under
+        autocast for ``*-mixed`` ones; float outputs of mixed precision come back in the default dtype."""
+        precision = self._strategy.precision
+        args, kwargs = precision.convert_input((args, kwargs))
+        with precision.forward_context():
+            output = self._forward_module(*args, **kwargs)
+        output = precision.convert_output(output)
+        if precision.requires_fabric_backward:
+            _apply_to_tensors(output, precision.guard_backward)
+        return output
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self._original_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, **kwargs: Any) -> Any:
+        return self._original_module.load_state_dict(state_dict, strict=strict, **kwargs)
+
+    def mark_forward_method(self, method: Union[MethodType, str]) -> None:
+        """Route calls of the original module's ``method`` through the strategy's forward (so DDP syncs
+        the gradients of what it computes), like ``forward`` and the LightningModule step methods."""
+        if not isinstance(method, (MethodType, str)):
+            raise TypeError(f"mark_forward_method({method!r}): expected a method or its name.")
+        name = method if isinstance(method, str) else method.__name__
+        if name == "forward":
+            raise ValueError("forward is already the forward method; mark other methods only.")
+        if not isinstance(getattr(self._original_module, name, None), MethodType):
+            raise AttributeError(f"mark_forward_method({name!r}): {type(self._original_module).__name__}.{name} "
+                                 "does not exist or is not a method.")
+        self._forward_methods.add(name)
+
+    def _redirect_through_forward(self, name: str) -> Callable[..., Any]:
+        original = self._original_module
+        original_forward = original.forward
+
+        def redirected(*args: Any, **kwargs: Any) -> Any:
+            original.forward = original_forward  # type: ignore[method-assign]
+            return getattr(original, name)(*args, **kwargs)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            original.forward = redirected  # type: ignore[method-assign]
+            try:
+                return self.forward(*args, **kwargs)
+            finally:
+                original.__dict__.pop("forward", None)
+
+        return call
+
+    def __getattr__(self, item: str) -> Any:
+        if item in ("_forward_methods", "_forward_module", "_original_module"):
+            return super().__getattr__(item)
+        if item in self._forward_methods and self._forward_module is not self._original_module \
+                and hasattr(self._original_module, item):
+            return self._redirect_through_forward(item)
+        try:
+            return super().__getattr__(item)
+        except AttributeError:
+            return getattr(self._original_module, item)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not getattr(self, "_fabric_module_initialized", False):
+            super().__setattr__(name, value)
+            return
+        original = self._original_module
+        own = name in dir(self)
+        if hasattr(original, name) or not own:
+            setattr(original, name, value)
+        if own:
+            super().__setattr__(name, value)
+
+    def __repr__(self) -> str:
+        return f"FabricModule({self._original_module!r})"
+
+
+class FabricOptimizer:
+    """Steps ``optimizer`` through ``strategy.optimizer_step``; every other attribute is the optimizer's.
+
+    ``isinstance(wrapped, type(optimizer))`` is True. After each step, callbacks with an
+    ``on_after_optimizer_step(strategy, optimizer)`` hook are called.
+    """
+
+    def __init__(self, optimizer: Optimizer, strategy: Strategy, callbacks: Optional[List[Any]] = None) -> None:
+        self._optimizer = optimizer
+        self._strategy = strategy
+        self._callbacks = callbacks if callbacks is not None else []
+        # imitate the wrapped class so that isinstance checks (and its methods) work
+        self.__class__ = type("Fabric" + type(optimizer).__name__, (FabricOptimizer, type(optimizer)), {})
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The optimizer that was passed to ``setup()``."""
+        return self._optimizer
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One optimizer step through the precision plugin; returns what the optimizer's step returns
+        (the closure's loss when a closure is given)."""
+        kwargs = {"closure": closure} if closure is not None else {}
+        output = self._strategy.optimizer_step(self._optimizer, **kwargs)
+        if self._callbacks:
+            call_hook(self._callbacks, "on_after_optimizer_step", strategy=self._strategy, optimizer=self._optimizer)
+        return output
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self._strategy.get_optimizer_state(self._optimizer)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self._optimizer, item)
+
+    def __repr__(self) -> str:
+        return f"FabricOptimizer({self._optimizer!r})"
+
+
+class FabricDataLoader:
+    """Iterates ``dataloader`` with every batch moved to ``device`` (None: left where it is); each new
+    ``iter()`` is a new epoch and sets the sampler's epoch first. Other attributes are the loader's."""
+
+    def __init__(self, dataloader: DataLoader, strategy: Strategy, device: Optional[torch.device] = None) -> None:
+        self._dataloader = dataloader
+        self._strategy = strategy
+        self._device = device
+        self._num_iter_calls = 0
+        self._consumed: Optional[int] = None  # batches yielded in the running epoch
+        self._skip = 0  # batches a loaded mid-epoch state still has to skip
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        return self._device
+
+    @property
+    def dataloader(self) -> DataLoader:
+        """The (possibly re-created) loader being iterated."""
+        return self._dataloader
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` starts (0 first)."""
+        return self._num_iter_calls
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` start epoch ``epoch`` (shuffling order and all) at its first batch."""
+        self._num_iter_calls, self._skip = int(epoch), 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``{"epoch": e, "batch": k}``: inside an epoch, the running epoch and the batches it has yielded (a
+        resumed run continues with the next batch, in the same order); between epochs, the next one and 0."""
+        return loader_position.position(self._num_iter_calls, self._consumed, self._skip, _length(self._dataloader))
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Make the next ``iter()`` resume at ``state`` (an old ``{"epoch": n}`` starts epoch n at batch 0)."""
+        where = loader_position.read_position(state)
+        self._num_iter_calls, self._skip, self._consumed = where["epoch"], where["batch"], None
+
+    def __len__(self) -> int:
+        return len(self._dataloader)
+
+    def __iter__(self) -> Iterator[Any]:
+        set_sampler_epoch(self._dataloader, self._num_iter_calls)
+        self._num_iter_calls += 1
+        skip, self._skip = self._skip, 0
+        self._consumed = skip
+        to_device, device = self._strategy.batch_to_device, self._device
+        for batch in loader_position.iterate_from(self._dataloader, skip):
+            self._consumed = (self._consumed or 0) + 1
+            yield batch if device is None else to_device(batch, device)
+        self._consumed = None
+
+    def __getattr__(self, item: str) -> Any:
+        if item.startswith("__") or item == "_dataloader":
+            raise AttributeError(item)
+        return getattr(self._dataloader, item)
+
+    def __repr__(self) -> str:
+        return f"FabricDataLoader({self._dataloader!r}, device={self._device})"
+
+
+# Lightning Fabric's names for the same classes
+_FabricModule = FabricModule
+_FabricOptimizer = FabricOptimizer
+_FabricDataLoader = FabricDataLoader
+
+
+def is_wrapped(obj: object) -> bool:
+    """Whether ``obj`` was returned by ``setup()`` / ``setup_module()`` / ``setup_optimizers()`` /
+    ``setup_dataloaders()``."""
+    return isinstance(_unwrap_compiled(obj), (FabricModule, FabricOptimizer, FabricDataLoader))
+
+
+def unwrap(obj: Any, loaders: bool = True) -> Any:
+    """The object under a wrapper: a FabricModule's strategy module (e.g. the DDP wrapper), a
+    FabricOptimizer's optimizer, a FabricDataLoader's loader (kept wrapped with ``loaders=False``: it is
+    stateful); a dict / list / tuple is unwrapped item by item; anything else is returned unchanged."""
+    if isinstance(obj, dict):
+        return {k: unwrap(v, loaders) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(unwrap(v, loaders) for v in obj)
+    obj = _unwrap_compiled(obj)
+    if isinstance(obj, FabricModule):
+        return _unwrap_compiled(obj._forward_module)
+    if isinstance(obj, FabricOptimizer):
+        return obj.optimizer
+    if isinstance(obj, FabricDataLoader) and loaders:
+        return obj.dataloader
+    return obj
+
+
+# ---------------------------------------------------------------------- set-up
+def setup_module(strategy: Strategy, module: nn.Module, optimizers: Sequence[Optimizer] = (),
+                 move_to_device: bool = True, callbacks: Optional[List[Any]] = None
+                 ) -> Tuple[FabricModule, List[FabricOptimizer]]:
+    """``module`` converted to the precision, moved to the device (``move_to_device``), wrapped by the
+    strategy; and ``optimizers`` wrapped, their state moved to the parameters' device.
+
+    Raises ValueError for an object that was set up already, and for an optimizer holding parameters that
+    are not ``module``'s (for example built from a copy of the model), saying how to fix it.
+    """
+    if isinstance(_unwrap_compiled(module), FabricModule):
+        raise ValueError("This module was set up already; pass each module to setup()/setup_module() once.")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"setup() expects a torch.nn.Module first; got {type(module).__name__}.")
+    for optimizer in optimizers:
+        if isinstance(optimizer, FabricOptimizer):
+            raise ValueError("This optimizer was set up already; pass each optimizer to setup() once.")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"setup(module, *optimizers): {type(optimizer).__name__} is not a torch.optim.Optimizer.")
+    _check_optimizer_params(module, optimizers)
+    original = module
+    module = strategy.precision.convert_module(module)
+    if move_to_device:
+        module = strategy.module_to_device(module)
+    forward_module, optimizers = strategy.setup_module_and_optimizers(module, list(optimizers))
+    for optimizer in optimizers:
+        move_optimizer_state(optimizer)
+    wrapped = FabricModule(forward_module, strategy, original_module=original)
+    return wrapped, [FabricOptimizer(opt, strategy, callbacks) for opt in optimizers]
+
+
+def setup_optimizers(strategy: Strategy, optimizers: Sequence[Optimizer],
+                     callbacks: Optional[List[Any]] = None) -> List[FabricOptimizer]:
+    """``optimizers`` (built from an already set-up module's parameters) wrapped for the strategy."""
+    if not optimizers:
+        raise ValueError("setup_optimizers() needs at least one optimizer.")
+    out = []
+    for optimizer in optimizers:
+        if isinstance(optimizer, FabricOptimizer):
+            raise ValueError("This optimizer was set up already; pass each optimizer once.")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"setup_optimizers(): {type(optimizer).__name__} is not a torch.optim.Optimizer.")
+        optimizer = strategy.setup_optimizer(optimizer)
+        move_optimizer_state(optimizer)
+        out.append(FabricOptimizer(optimizer, strategy, callbacks))
+    return out
+
+
+def move_optimizer_state(optimizer: Optimizer) -> None:
+    """Every tensor in ``optimizer``'s state moved to its parameter's device (scalar ``step`` counters,
+    which optimizers keep on the CPU, stay where they are)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            for key, value in state.items():
+                if isinstance(value, Tensor) and key != "step" and value.device != param.device:
+                    state[key] = value.to(param.device)
+
+
+def _check_optimizer_params(module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
+    own = {id(p) for p in module.parameters()}
+    for index, optimizer in enumerate(optimizers):
+        foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
+        if foreign:
+            total = sum(len(group["params"]) for group in optimizer.param_groups)
+            raise ValueError(
+                f"optimizer {index} ({type(optimizer).__name__}) holds {len(foreign)} of its {total} parameters that "
+                f"are not parameters of the {type(module).__name__} passed to setup() (was the optimizer built "
+                "from another copy of the model, e.g. before a deepcopy or a move?). Build the optimizer from this "
+                "module's parameters: `optimizer = Opt(model.parameters())` and then `fabric.setup(model, "
+                "optimizer)`; or `model = fabric.setup_module(model)` first and then "
+                "`fabric.setup_optimizers(Opt(model.parameters()))`.")
+
+
+def _apply_to_tensors(data: Any, fn: Callable[[Tensor], None]) -> None:
+    if isinstance(data, Tensor):
+        fn(data)
+    elif isinstance(data, Mapping):
+        for value in data.values():
+            _apply_to_tensors(value, fn)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            _apply_to_tensors(value, fn)
+
+
+def _unwrap_compiled(obj: Any) -> Any:
+    orig = getattr(obj, "_orig_mod", None)
+    if orig is not None and type(obj).__name__ == "OptimizedModule":
+        return orig
+    return obj
+
+
+def set_sampler_epoch(dataloader: DataLoader, epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on the loader's sampler and batch sampler's sampler, where they have one."""
+    seen = set()
+    for obj in (getattr(dataloader, "sampler", None), getattr(dataloader, "batch_sampler", None),
+                getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)):
+        if obj is not None and id(obj) not in seen and callable(getattr(obj, "set_epoch", None)):
+            seen.add(id(obj))
+            obj.set_epoch(epoch)
+
+
+def _length(loader: DataLoader) -> Optional[int]:
+    try:
+        return len(loader)
+    except TypeError:
+        return None

@@ -1,0 +1,120 @@
+"""A deterministic training run for the restart and preemption tests (run it under `fabriclite run`).
+
+Shuffled loader, dropout, AdamW and an LR schedule; ``state["resume"] = fabric.resume_state()``; a checkpoint
+every SAVE_EVERY steps with ``save(keep=3)``, mid-epoch; ``load_latest`` at the start. Rank 0 writes the final
+weights to $OUT. Faults are injected from here, at a given step, never by timing:
+
+- KILL_AT=step:rank   that rank SIGKILLs itself right after that step, in round 0 (every round with KILL_ALWAYS=1)
+- KILL_IN_SAVE=step   rank 0 SIGKILLs itself inside torch.save of that step's checkpoint, half of it written (round 0)
+- FAIL_EARLY=round:rank   that rank exits with code 3 before joining the job in that round (its rendezvous)
+- WAIT_AT=step        rank 0 prints "WAITING" after that step and waits until it has recorded a preemption
+                      signal (the test sends SIGUSR1 to the supervisor when it reads the line)
+"""
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from fabriclite import Fabric
+
+STEPS = int(os.environ.get("STEPS", "20"))
+SAVE_EVERY = int(os.environ.get("SAVE_EVERY", "5"))
+CKPT_DIR = os.environ["CKPT_DIR"]
+
+
+class Points(Dataset):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def pair(name):
+    raw = os.environ.get(name)
+    return tuple(int(v) for v in raw.split(":")) if raw else None
+
+
+def main() -> None:
+    fabric = Fabric(accelerator="cpu", strategy=os.environ.get("STRATEGY", "auto"))
+    round_env = int(os.environ.get("FABRICLITE_RESTART_COUNT", "0"))
+    fail_early = pair("FAIL_EARLY")
+    if fail_early and fail_early[0] == round_env and int(os.environ.get("FABRICLITE_RANK", "-1")) == fail_early[1]:
+        sys.exit(3)  # before launch(): the others wait for this rank in the round's rendezvous
+    fabric.launch()
+    fabric.seed_everything(1234, verbose=False)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(Points(), batch_size=4, shuffle=True))
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "step": 0,
+             "resume": fabric.resume_state()}
+    resumed = fabric.load_latest(CKPT_DIR, state)
+    step = state["step"]
+    fabric.print(f"ROUND {fabric.restart_count} resumed from {os.path.basename(resumed) if resumed else None} "
+                 f"at step {step} t={time.time()}", flush=True)
+    kill_at, kill_in_save, wait_at = pair("KILL_AT"), os.environ.get("KILL_IN_SAVE"), os.environ.get("WAIT_AT")
+    first_round = fabric.restart_count == 0 or os.environ.get("KILL_ALWAYS") == "1"
+    if kill_in_save and fabric.global_rank == 0 and first_round:
+        _kill_inside_save(int(kill_in_save), lambda: state["step"])
+    while step < STEPS:
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            fabric.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            if kill_at and first_round and step == kill_at[0] and fabric.global_rank == kill_at[1]:
+                print(f"KILLED t={time.time()}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if wait_at and step == int(wait_at) and fabric.global_rank == 0 and fabric.restart_count == 0:
+                _wait_for_preemption()
+            if os.environ.get("CHECK_PREEMPTED") and fabric.check_preempted():
+                state["step"] = step
+                fabric.save(os.path.join(CKPT_DIR, f"step-{step:04d}.ckpt"), state, keep=3)
+                fabric.print(f"PREEMPTED saved at step {step}", flush=True)
+                return
+            if step % SAVE_EVERY == 0:
+                state["step"] = step
+                fabric.save(os.path.join(CKPT_DIR, f"step-{step:04d}.ckpt"), state, keep=3)
+            if step >= STEPS:
+                break
+    if fabric.global_rank == 0:
+        torch.save([p.detach() for p in model.parameters()], os.environ["OUT"])
+    fabric.print(f"DONE round {fabric.restart_count}", flush=True)
+
+
+def _kill_inside_save(at_step, current_step):
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if current_step() == at_step and hasattr(f, "write"):
+            f.write(b"half a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+
+def _wait_for_preemption():
+    from fabriclite.supervision import rank_signals as preemption
+
+    print("WAITING", flush=True)
+    deadline = time.monotonic() + 120
+    while preemption.received() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    main()

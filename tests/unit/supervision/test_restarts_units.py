@@ -1,0 +1,84 @@
+"""The restart loop's decisions, in process (no ranks): backoff, the window, used-up restarts, a signal during
+the backoff; parsing of the settings; the round a rank reads."""
+from __future__ import annotations
+
+import pytest
+
+from fabriclite.supervision import restarts
+from fabriclite.supervision.restarts import RestartPolicy, run_rounds
+
+
+class Node:
+    """One node's supervisor as run_rounds sees it: plays rounds from a script of exit codes."""
+
+    def __init__(self, codes, policy):
+        self.codes, self.restarts, self.summary = list(codes), policy, ""
+        self.layout = type("Layout", (), {"num_nodes": 1, "node_rank": 0})()
+        self.played, self.stopped = [], False
+
+    def play(self, number):
+        self.played.append(number)
+        code = self.codes.pop(0)
+        self.summary = "" if code == 0 else f"fabriclite: the job failed: rank 1 exited with code {code}."
+        return code
+
+    def can_restart(self):
+        return not self.stopped
+
+    def stopped_code(self, code):
+        return 75 if self.stopped else code
+
+
+def test_backoff_doubles_up_to_30_s():
+    policy = RestartPolicy(10)
+    assert [policy.backoff(n) for n in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+def test_restarts_until_success_and_the_final_summary_lists_every_round(monkeypatch):
+    slept = []
+    monkeypatch.setattr(restarts.time, "sleep", slept.append)
+    node = Node([3, 3, 0], RestartPolicy(5))
+    reported = []
+    assert run_rounds(node, node.play, reported.append) == 0
+    assert node.played == [0, 1, 2] and slept == [1, 2]
+    assert "restarting every rank in 1 s (round 1, restart 1 of 5)" in reported[0]
+    assert "round 0: failed: rank 1 exited with code 3" in node.summary and "round 2: succeeded" in node.summary
+
+
+def test_used_up_restarts_and_an_over_window_end_with_the_last_failure(monkeypatch):
+    monkeypatch.setattr(restarts.time, "sleep", lambda s: None)
+    node = Node([3, 4], RestartPolicy(1))
+    assert run_rounds(node, node.play, lambda text: None) == 4
+    assert node.summary.endswith("not restarting: the 1 restarts (--max-restarts) are used up; the job failed, last "
+                                 "failure: rank 1 exited with code 4.")
+    node = Node([3], RestartPolicy(5, window_s=0.5))  # the first backoff (1 s) would already end past the window
+    assert run_rounds(node, node.play, lambda text: None) == 3
+    assert "restart window of 0.5 s (--restart-window) is over" in node.summary
+
+
+def test_a_preemption_during_the_backoff_starts_no_new_round(monkeypatch):
+    node = Node([3, 0], RestartPolicy(3))
+    monkeypatch.setattr(restarts.time, "sleep", lambda s: setattr(node, "stopped", True))  # the signal arrives
+    assert run_rounds(node, node.play, lambda text: None) == 75
+    assert node.played == [0] and "preempted during the backoff" in node.summary
+
+
+def test_settings_are_parsed_with_clear_errors(monkeypatch):
+    assert restarts.parse_max_restarts("2") == 2
+    for bad in (-1, "x", 1.5, True):
+        with pytest.raises(ValueError, match="expected a whole number >= 0"):
+            restarts.parse_max_restarts(bad, "--max-restarts")
+    monkeypatch.setenv("FABRICLITE_MAX_RESTARTS", "2")
+    assert restarts.resolve_max_restarts(None) == 2 and restarts.resolve_max_restarts(2) == 2
+    with pytest.raises(ValueError, match="differs from FABRICLITE_MAX_RESTARTS=2"):
+        restarts.resolve_max_restarts(1)
+
+
+def test_the_round_comes_from_the_supervisor_or_torchrun(monkeypatch):
+    monkeypatch.delenv("FABRICLITE_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert restarts.restart_count() == 0
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "4")
+    assert restarts.restart_count() == 4
+    monkeypatch.setenv("FABRICLITE_RESTART_COUNT", "2")
+    assert restarts.restart_count() == 2
