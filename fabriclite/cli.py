@@ -21,7 +21,7 @@ from fabriclite.supervision.preemption import PreemptOptions, parse_grace
 from fabriclite.supervision.restarts import MAX_RESTARTS_ENV, RestartPolicy, parse_max_restarts, parse_seconds
 from fabriclite.launchers.subprocess_script import run_supervised
 from fabriclite.supervision.stopping import exit_process
-from fabriclite.supervision.supervisor import Layout
+from fabriclite.supervision.supervisor import NodeLayout
 from fabriclite.distributed.rendezvous import resolve_timeout
 from fabriclite.strategies import STRATEGIES
 
@@ -65,7 +65,7 @@ class UsageError(ValueError):
     """Bad command-line input, found before anything starts."""
 
 
-def fail(command: str, message: str) -> NoReturn:
+def usage_error(command: str, message: str) -> NoReturn:
     """The CLI's error rule: one line ``fabriclite <command>: error: <message>`` on stderr, exit code 2."""
     sys.stderr.write(f"fabriclite {command}: error: {' '.join(str(message).split())}\n")
     sys.stderr.flush()
@@ -80,13 +80,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             folder, output = _prepare_consolidate(args)
         except (ValueError, TypeError) as err:
-            fail(args.command, str(err))
+            usage_error(args.command, str(err))
         _consolidate(folder, output)
         return 0
     try:
         job = _prepare_run(args)
     except (ValueError, TypeError) as err:  # UsageError and every check of the connector
-        fail(args.command, str(err))
+        usage_error(args.command, str(err))
     code = run_supervised(*job)  # _prepare_run returns run_supervised's arguments, in its order
     if argv is None:  # the program itself: end now, without the interpreter's slow teardown of torch
         exit_process(code)
@@ -121,7 +121,7 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
         extra_env["FABRICLITE_TIMEOUT"] = str(args.timeout)
     main_address = args.main_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     main_port = args.main_port if args.main_port is not None else _env_int("MASTER_PORT")
-    layout = Layout(num_nodes, node_rank, connector.num_processes)
+    layout = NodeLayout(num_nodes, node_rank, connector.num_processes)
     output = OutputOptions(prefix=args.rank_prefix, log_dir=args.log_dir)
     if not (output.prefix or output.log_dir):
         output = OutputOptions.from_env()
@@ -168,7 +168,7 @@ def _consolidate(folder: str, output: str) -> None:
     try:
         merged = consolidate(folder)
     except FileNotFoundError as err:  # a shard missing: named, nothing written
-        fail("consolidate", str(err))
+        usage_error("consolidate", str(err))
     atomic_save(merged, output)
 
 

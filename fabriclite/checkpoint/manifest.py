@@ -37,11 +37,6 @@ VERSION = 1
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def run_id() -> str:
-    """This run's id (see the module docstring and ``rendezvous.run_id``)."""
-    return rendezvous.run_id()
-
-
 def check_keep(keep: Any) -> int:
     """``keep`` as an int >= 1; TypeError / ValueError naming it otherwise."""
     if isinstance(keep, bool) or not isinstance(keep, int):
@@ -61,7 +56,7 @@ def save_recorded(strategy: Any, path: PathLike, state: Mapping[str, Any], filte
     directory, name = os.path.split(path)
     if name == MANIFEST:
         raise ValueError(f"save({path!r}): {MANIFEST} is the manifest's own name; pick another file name.")
-    rid = run_id()
+    rid = rendezvous.run_id()
     on_rank_zero(strategy, lambda: read_manifest(directory) and None)
     save_checkpoint(strategy, path, state, filter, tmp_tag=rid)
     with collectives.rank_zero_first(strategy):
@@ -100,7 +95,7 @@ def latest(strategy: Any, directory: PathLike) -> Optional[str]:
                          "fabric.save(..., keep=K) writes its checkpoints into.")
     def newest() -> Optional[str]:
         path = _newest(directory)
-        remove_stray_temporaries(directory, run_id())
+        remove_stray_temporaries(directory, rendezvous.run_id())
         return path
 
     return on_rank_zero(strategy, newest)
@@ -215,4 +210,4 @@ class _Lock:
         os.close(self.fd)  # releases the lock
 
 
-__all__ = ["MANIFEST", "check_keep", "latest", "read_manifest", "record", "run_id", "save_recorded"]
+__all__ = ["MANIFEST", "check_keep", "latest", "read_manifest", "record", "save_recorded"]

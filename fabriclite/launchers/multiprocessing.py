@@ -17,7 +17,7 @@ from fabriclite.supervision.rank_child import watch_supervisor, write_error_file
 from fabriclite.supervision.output_forwarding import OutputOptions, redirect_output
 from fabriclite.supervision.preemption import EXIT_PREEMPTED, PreemptOptions
 from fabriclite.supervision.stopping import print_summary
-from fabriclite.supervision.supervisor import JobFailed, Layout, Supervisor
+from fabriclite.supervision.supervisor import JobFailed, NodeLayout, Supervisor
 
 
 class ProcessWorker:
@@ -57,7 +57,7 @@ class MultiprocessingLauncher(Launcher):
 
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         env = self.cluster_environment
-        layout = Layout(self.num_nodes, env.node_rank(), self.num_processes)
+        layout = NodeLayout(self.num_nodes, env.node_rank(), self.num_processes)
         context = mp.get_context(self.start_method)
         with tempfile.TemporaryDirectory(prefix="fabriclite-result-") as tmp:
             result_path = os.path.join(tmp, "result.pkl")

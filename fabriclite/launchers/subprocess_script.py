@@ -18,7 +18,7 @@ from fabriclite.supervision.output_forwarding import OutputOptions
 from fabriclite.supervision.preemption import PreemptOptions
 from fabriclite.supervision.restarts import RestartPolicy
 from fabriclite.supervision.stopping import exit_process, print_summary
-from fabriclite.supervision.supervisor import Layout, Supervisor
+from fabriclite.supervision.supervisor import NodeLayout, Supervisor
 
 
 class PopenWorker:
@@ -45,7 +45,7 @@ def script_command() -> List[str]:
     return [sys.executable, *argv[1:]]
 
 
-def run_supervised(command: Sequence[str], layout: Layout, main_address: str, main_port: int,
+def run_supervised(command: Sequence[str], layout: NodeLayout, main_address: str, main_port: int,
                    timeout: timedelta, output: Optional[OutputOptions] = None,
                    extra_env: Optional[Dict[str, str]] = None, restarts: Optional[RestartPolicy] = None,
                    preempt: Optional[PreemptOptions] = None) -> int:
@@ -76,7 +76,7 @@ class SubprocessScriptLauncher(Launcher):
 
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> NoReturn:
         env = self.cluster_environment
-        layout = Layout(self.num_nodes, env.node_rank(), self.num_processes)
+        layout = NodeLayout(self.num_nodes, env.node_rank(), self.num_processes)
         sys.stdout.flush()
         sys.stderr.flush()
         code = run_supervised(script_command(), layout, env.main_address, env.main_port, self.timeout,

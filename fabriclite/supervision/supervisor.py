@@ -57,7 +57,7 @@ class Worker(Protocol):
 
 
 @dataclass(frozen=True)
-class Layout:
+class NodeLayout:
     """Where this node's ranks sit in the job."""
 
     num_nodes: int
@@ -89,7 +89,7 @@ class Supervisor:
 
     def __init__(
         self,
-        layout: Layout,
+        layout: NodeLayout,
         main_address: str,
         main_port: int,
         timeout: timedelta,

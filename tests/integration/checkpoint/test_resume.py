@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from fabriclite import Fabric
 from fabriclite.checkpoint import manifest as manifest_mod
+from fabriclite.distributed import rendezvous
 
 
 class Recording(Dataset):
@@ -162,7 +163,7 @@ def test_keep_keeps_this_runs_newest_and_never_touches_other_files(pool2, tmp_pa
 
 
 def _stray_cleanup(fabric, directory):
-    rid = manifest_mod.run_id()
+    rid = rendezvous.run_id()
     if fabric.global_rank == 0:
         open(os.path.join(directory, f".step-7.ckpt.tmp-{rid}-1-aa"), "wb").close()  # a write that was killed
     fabric.barrier()

@@ -230,9 +230,9 @@ def test_a_store_that_is_gone_reads_as_a_failure() -> None:
 
 
 def test_a_signal_ends_the_wait_for_node_0s_store() -> None:
-    from fabriclite.supervision.supervisor import Layout, Supervisor
+    from fabriclite.supervision.supervisor import NodeLayout, Supervisor
 
-    supervisor = Supervisor(Layout(num_nodes=2, node_rank=1, local_world_size=1), "127.0.0.1", free_port(),
+    supervisor = Supervisor(NodeLayout(num_nodes=2, node_rank=1, local_world_size=1), "127.0.0.1", free_port(),
                             timedelta(seconds=60), report=False)
 
     def interrupt() -> None:
@@ -255,13 +255,13 @@ def test_ranks_that_ignore_sigterm_are_killed_and_named() -> None:
 
     from fabriclite.supervision.output_forwarding import OutputOptions
     from fabriclite.launchers.subprocess_script import PopenWorker
-    from fabriclite.supervision.supervisor import Layout, Supervisor
+    from fabriclite.supervision.supervisor import NodeLayout, Supervisor
 
     code = ("import os, signal, time\n"
             "if os.environ['FABRICLITE_RANK'] == '0': raise SystemExit(4)\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
             "time.sleep(60)\n")
-    layout = Layout(num_nodes=1, node_rank=0, local_world_size=2)
+    layout = NodeLayout(num_nodes=1, node_rank=0, local_world_size=2)
     supervisor = Supervisor(layout, "127.0.0.1", 0, timedelta(seconds=10), OutputOptions(), grace_s=0.5,
                             report=False)
     start = time.monotonic()
