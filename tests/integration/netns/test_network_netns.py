@@ -16,7 +16,7 @@ from cluster import Cluster
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 PROBE = ("import json, socket, sys\n"
-         "from fabriclite import network\n"
+         "from fabriclite.distributed import network\n"
          "own = socket.gethostbyname(socket.gethostname())\n"
          "print(json.dumps({'own': own, 'towards_main': network.gloo_interface(sys.argv[1]),\n"
          "                  'towards_loopback': network.gloo_interface('127.0.0.1')}))\n")
