@@ -9,6 +9,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, TypeVar, Union
 
 from torch import Tensor
 
+from fabriclite.environments.process_rank import rank_from_env
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -24,21 +26,16 @@ def rank_zero_only(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-#: where a logger used without a Fabric reads its rank: fabriclite's supervised ranks, then Lightning's
-#: ``rank_zero_only.rank`` sources in Lightning's order
-RANK_VARS = ("FABRICLITE_RANK", "RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
-
-
 def env_rank() -> int:
-    """This process's rank from the environment (the first of ``RANK_VARS`` that is set; 0 when none is)."""
-    for name in RANK_VARS:
-        value = os.environ.get(name)
-        if value is not None:
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(f"${name}={value!r}: expected an int (the rank of this process).") from None
-    return 0
+    """This process's rank from the environment, for a logger used without a Fabric: ``FABRICLITE_RANK`` (ranks of
+    fabriclite's supervisor), else Lightning's ``rank_zero_only`` variables in Lightning's order, else 0."""
+    value = os.environ.get("FABRICLITE_RANK")
+    if value is not None:
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"$FABRICLITE_RANK={value!r}: expected an int (the rank of this process).") from None
+    return rank_from_env() or 0
 
 
 class DummyExperiment:
@@ -82,7 +79,7 @@ class Logger(ABC):
     Writes happen on global rank 0 only: ``Fabric`` tells each logger its rank (``bind_rank``) when the
     Fabric is created and again when the processes are launched; the ``rank_zero_only`` decorator turns
     the writing methods into no-ops on every other rank, so nothing touches the disk there. A logger used
-    without a Fabric takes its rank from the environment (``RANK_VARS``, as Lightning's ``rank_zero_only``
+    without a Fabric takes its rank from the environment (``env_rank``, as Lightning's ``rank_zero_only``
     does), so that only rank 0 writes there too. ``experiment`` is a ``DummyExperiment`` on other ranks.
     """
 
@@ -207,6 +204,24 @@ def add_prefix(metrics: Mapping[str, Any], prefix: str, separator: str) -> Dict[
     if not prefix:
         return dict(metrics)
     return {f"{prefix}{separator}{k}": v for k, v in metrics.items()}
+
+
+def scalars(metrics: Mapping[str, Any], convert: bool = True) -> Dict[str, Any]:
+    """``metrics`` with every tensor in it (nested collections too) as a Python number (``convert=False``: only
+    checked). ValueError naming the key for a tensor that has not exactly one element (Lightning: ValueError)."""
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    out: Dict[str, Any] = {}
+    for key, value in metrics.items():
+        def item(tensor: Tensor, key: str = key) -> Any:
+            if tensor.numel() != 1:
+                raise ValueError(f"The metric {key!r} is a tensor with {tensor.numel()} elements (shape "
+                                 f"{tuple(tensor.shape)}), which cannot be logged as a scalar; log one number, e.g. "
+                                 f"its mean, or one key per element.")
+            return tensor.item() if convert else tensor
+
+        out[key] = apply_to_collection(value, Tensor, item)
+    return out
 
 
 def to_scalar(value: Any) -> Any:

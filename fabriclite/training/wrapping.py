@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from types import MethodType
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
@@ -101,16 +103,42 @@ class FabricModule(nn.Module):
 
         return call
 
+    def _refuse_bypass(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """``method`` of the original module, checked: RuntimeError (after it ran) when it ran any submodule, since
+        that computation bypassed the strategy's wrapper (DDP would not synchronise its gradients). Lightning's
+        rule; ``mark_forward_method(name)`` routes it through the wrapper instead."""
+        original = self._original_module
+
+        @functools.wraps(method)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            called = []
+            handles = [m.register_forward_hook(lambda *_: called.append(True)) for m in original.modules()]
+            try:
+                output = method(*args, **kwargs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            if called:
+                raise RuntimeError(
+                    f"You are calling the method `{type(original).__name__}.{name}()` from outside the model: it runs "
+                    "the network without the strategy's wrapper, so its gradients would not be synchronised and the "
+                    f"ranks would diverge. Mark it as a forward method with `model.mark_forward_method({name!r})` "
+                    "after `fabric.setup()`.")
+            return output
+
+        return checked
+
     def __getattr__(self, item: str) -> Any:
         if item in ("_forward_methods", "_forward_module", "_original_module"):
             return super().__getattr__(item)
-        if item in self._forward_methods and self._forward_module is not self._original_module \
-                and hasattr(self._original_module, item):
+        wrapped = self._forward_module is not self._original_module
+        if item in self._forward_methods and wrapped and hasattr(self._original_module, item):
             return self._redirect_through_forward(item)
         try:
             return super().__getattr__(item)
         except AttributeError:
-            return getattr(self._original_module, item)
+            attr = getattr(self._original_module, item)
+            return self._refuse_bypass(attr, item) if wrapped and inspect.ismethod(attr) else attr
 
     def __setattr__(self, name: str, value: Any) -> None:
         if not getattr(self, "_fabric_module_initialized", False):
@@ -155,8 +183,9 @@ class FabricOptimizer:
             call_hook(self._callbacks, "on_after_optimizer_step", strategy=self._strategy, optimizer=self._optimizer)
         return output
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, *args: Any, **kwargs: Any) -> Any:
+        """The optimizer's ``zero_grad`` with exactly the arguments given (its own defaults otherwise)."""
+        return self._optimizer.zero_grad(*args, **kwargs)
 
     def state_dict(self) -> Dict[str, Any]:
         return self._strategy.get_optimizer_state(self._optimizer)
@@ -266,10 +295,14 @@ def unwrap(obj: Any, loaders: bool = True) -> Any:
 
 # ---------------------------------------------------------------------- set-up
 def setup_module(strategy: Strategy, module: nn.Module, optimizers: Sequence[Optimizer] = (),
-                 move_to_device: bool = True, callbacks: Optional[List[Any]] = None
-                 ) -> Tuple[FabricModule, List[FabricOptimizer]]:
+                 move_to_device: bool = True, callbacks: Optional[List[Any]] = None, scheduler: Optional[Any] = None,
+                 reapply_compile: bool = True) -> Tuple[FabricModule, List[FabricOptimizer], Optional[Any]]:
     """``module`` converted to the precision, moved to the device (``move_to_device``), wrapped by the
-    strategy; and ``optimizers`` wrapped, their state moved to the parameters' device.
+    strategy; ``optimizers`` wrapped, their state moved to the parameters' device; ``scheduler`` passed through.
+
+    A ``torch.compile``d module (with ``reapply_compile``, Lightning's ``_reapply_compile``): the module inside is
+    set up (the strategy wraps the original, e.g. DDP) and the result compiled again with the same compiler
+    context (backend, mode, options); ``FabricModule.module`` and its ``state_dict()`` are the uncompiled module's.
 
     Raises ValueError for an object that was set up already, and for an optimizer holding parameters that
     are not ``module``'s (for example built from a copy of the model), saying how to fix it.
@@ -278,6 +311,9 @@ def setup_module(strategy: Strategy, module: nn.Module, optimizers: Sequence[Opt
         raise ValueError("This module was set up already; pass each module to setup()/setup_module() once.")
     if not isinstance(module, nn.Module):
         raise TypeError(f"setup() expects a torch.nn.Module first; got {type(module).__name__}.")
+    compiled = module if reapply_compile and _is_compiled(module) else None
+    if compiled is not None:
+        module = compiled._orig_mod
     for optimizer in optimizers:
         if isinstance(optimizer, FabricOptimizer):
             raise ValueError("This optimizer was set up already; pass each optimizer to setup() once.")
@@ -288,11 +324,14 @@ def setup_module(strategy: Strategy, module: nn.Module, optimizers: Sequence[Opt
     module = strategy.precision.convert_module(module)
     if move_to_device:
         module = strategy.module_to_device(module)
-    forward_module, optimizers = strategy.setup_module_and_optimizers(module, list(optimizers))
+    forward_module, optimizers, scheduler = strategy.setup_module_and_optimizers(module, list(optimizers),
+                                                                                 scheduler)
     for optimizer in optimizers:
         move_optimizer_state(optimizer)
+    if compiled is not None:
+        forward_module = compiled.dynamo_ctx(forward_module)  # torch.compile's own context, applied again
     wrapped = FabricModule(forward_module, strategy, original_module=original)
-    return wrapped, [FabricOptimizer(opt, strategy, callbacks) for opt in optimizers]
+    return wrapped, [FabricOptimizer(opt, strategy, callbacks) for opt in optimizers], scheduler
 
 
 def setup_optimizers(strategy: Strategy, optimizers: Sequence[Optimizer],
@@ -351,11 +390,13 @@ def _apply_to_tensors(data: Any, fn: Callable[[Tensor], None]) -> None:
             _apply_to_tensors(value, fn)
 
 
+def _is_compiled(obj: Any) -> bool:
+    """Whether ``obj`` is a ``torch.compile``d module (an ``OptimizedModule``; torch._dynamo is not imported)."""
+    return type(obj).__name__ == "OptimizedModule" and getattr(obj, "_orig_mod", None) is not None
+
+
 def _unwrap_compiled(obj: Any) -> Any:
-    orig = getattr(obj, "_orig_mod", None)
-    if orig is not None and type(obj).__name__ == "OptimizedModule":
-        return orig
-    return obj
+    return obj._orig_mod if _is_compiled(obj) else obj
 
 
 def set_sampler_epoch(dataloader: DataLoader, epoch: int) -> None:
