@@ -12,7 +12,7 @@ import sys
 from typing import Any, Iterable, List, Optional, Union
 
 from fabriclite.accelerators import ACCELERATORS, Accelerator, accelerator_class
-from fabriclite.environments import ClusterEnvironment, FabricliteEnvironment, detect_environment
+from fabriclite.environments import ClusterEnvironment, FabricliteEnvironment, LocalEnvironment, detect_environment
 from fabriclite.supervision.restarts import resolve_max_restarts
 from fabriclite.precision import Precision, normalize_precision, precision_plugin
 from fabriclite.strategies import STRATEGIES, DDPStrategy, SingleDeviceStrategy, Strategy, create_strategy
@@ -159,18 +159,15 @@ class Connector:
             parsed = self.accelerator.parse_devices(devices)
         parallel_devices = self.accelerator.get_parallel_devices(parsed)
         count = len(parallel_devices)
-        if external:
-            if not self.num_nodes_given and env.num_nodes():
-                self.num_nodes = env.num_nodes()
-            elif not self.num_nodes_given:
-                self.num_nodes = max(1, env.world_size() // count)
-            env.validate(count, self.num_nodes)
-        else:
+        if external and not self.num_nodes_given:
+            self.num_nodes = env.num_nodes() or max(1, env.world_size() // count)
+        if not external or isinstance(env, LocalEnvironment):  # ranks by fabriclite, or started by hand (Lightning's)
             env.set_world_size(count * self.num_nodes)
             env.set_global_rank(env.node_rank() * count + env.local_rank())
             if env.node_rank() >= self.num_nodes:
                 raise ValueError(f"node rank {env.node_rank()} (NODE_RANK / --node-rank) is out of range for "
                                  f"num_nodes={self.num_nodes}; expected 0..{self.num_nodes - 1}.")
+        env.validate(count, self.num_nodes)
         return count, parallel_devices
 
     # ------------------------------------------------------------------ strategy

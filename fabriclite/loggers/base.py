@@ -1,10 +1,12 @@
 """The Logger base: what ``Fabric(loggers=[...])`` takes, and the rank-0-only rule every logger follows."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from abc import ABC, abstractmethod
 from argparse import Namespace
+from collections.abc import MutableMapping
 from typing import Any, Callable, Dict, List, Mapping, Optional, TypeVar, Union
 
 from torch import Tensor
@@ -172,8 +174,12 @@ class VersionedLogger(Logger):
     @property
     def version(self) -> Union[int, str]:
         if self._version is None:
-            self._version = next_version(os.path.join(self._root_dir, self._name))
+            self._version = next_version(self._versions_root())
         return self._version
+
+    def _versions_root(self) -> str:
+        """The directory holding the ``version_<n>`` directories."""
+        return os.path.join(self._root_dir, self._name)
 
     @property
     def root_dir(self) -> str:
@@ -231,23 +237,47 @@ def to_scalar(value: Any) -> Any:
     return value
 
 
-def params_to_dict(params: Union[Dict[str, Any], Namespace]) -> Dict[str, Any]:
-    """Hyperparameters as a flat ``{"a/b": value}`` dict (a Namespace becomes a dict first)."""
+def params_to_dict(params: Union[Dict[str, Any], Namespace, None]) -> Dict[str, Any]:
+    """Hyperparameters as a flat ``{"a/b": value}`` dict, flattened as Lightning does: a Namespace or dataclass
+    becomes a dict, nested mappings and lists of mappings (``"a/0/b"``) are flattened, other values kept."""
     if isinstance(params, Namespace):
         params = vars(params)
     flat: Dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, Mapping):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        elif isinstance(value, Namespace):
+            value = vars(value)
+        if isinstance(value, MutableMapping):
             for k, v in value.items():
                 walk(f"{prefix}/{k}" if prefix else str(k), v)
-        elif isinstance(value, Namespace):
-            walk(prefix, vars(value))
+        elif isinstance(value, list) and value and all(isinstance(item, MutableMapping) for item in value):
+            for i, item in enumerate(value):
+                walk(f"{prefix}/{i}", item)
         else:
             flat[prefix] = value
 
-    walk("", params)
+    for key, value in (params or {}).items():
+        walk(str(key), value)
     return flat
+
+
+def sanitize_params(params: Dict[str, Any]) -> Dict[str, Any]:
+    """Hyperparameter values TensorBoard can record, as Lightning makes them: numpy scalars as Python numbers;
+    anything but a bool, int, float, str or tensor as its ``str()`` (classes, arrays, lists, None, ...)."""
+    try:
+        import numpy as np
+
+        numbers: tuple = (np.bool_, np.integer, np.floating)
+    except ImportError:  # pragma: no cover - numpy comes with the test extras, not with torch
+        numbers = ()
+    out = {}
+    for key, value in params.items():
+        if isinstance(value, numbers):
+            value = value.item()
+        out[key] = value if type(value) in (bool, int, float, str, Tensor) else str(value)
+    return out
 
 
 def next_version(root: str) -> int:
