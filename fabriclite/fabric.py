@@ -18,7 +18,7 @@ from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import manifest, resume_state
 from fabriclite.checkpoint.resume_state import ResumeState
 from fabriclite.checkpoint.saving import load_checkpoint, load_raw, save_checkpoint
-from fabriclite.compat import lightning_module, run_method
+from fabriclite.compat import lightning_module, run_method, user_warnings
 from fabriclite.connector import Connector, cli_used
 from fabriclite.loggers.base import scalars, share_logger_state
 from fabriclite.strategies import Strategy
@@ -71,6 +71,7 @@ class Fabric:
         self._joined_by_cli = False
         self._preempted = False
         self._bind_loggers()
+        user_warnings.apply_env_switch()  # POSSIBLE_USER_WARNINGS=0 / off (Lightning reads it on import)
         cli = cli_used()
         run_method.prepare(self, Fabric, cli)
         if cli and self._strategy.launcher is None:  # the CLI started this rank: join now, as Lightning does

@@ -252,7 +252,7 @@ def params_to_dict(params: Union[Dict[str, Any], Namespace, None]) -> Dict[str, 
         if isinstance(value, MutableMapping):
             for k, v in value.items():
                 walk(f"{prefix}/{k}" if prefix else str(k), v)
-        elif isinstance(value, list) and value and all(isinstance(item, MutableMapping) for item in value):
+        elif isinstance(value, list) and all(isinstance(item, MutableMapping) for item in value):  # [] goes too
             for i, item in enumerate(value):
                 walk(f"{prefix}/{i}", item)
         else:

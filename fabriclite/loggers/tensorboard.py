@@ -79,12 +79,14 @@ class TensorBoardLogger(VersionedLogger):
     def log_hyperparams(self, params: Union[Dict[str, Any], Namespace, None],
                         metrics: Optional[Dict[str, Any]] = None, step: Optional[int] = None) -> None:
         """Record ``params`` (flattened; values TensorBoard cannot show, such as classes, arrays, lists and tensors
-        of more than one dimension, as their text, as Lightning does) with ``metrics`` (default ``hp_metric``: -1
-        when ``default_hp_metric``; nothing is recorded without metrics)."""
+        of more than one dimension, as their text, as Lightning does; a 0-dim tensor as its number) with ``metrics``
+        (default ``hp_metric``: -1 when ``default_hp_metric``; nothing is recorded without metrics)."""
         from torch.utils.tensorboard.summary import hparams
 
         flat = sanitize_params(params_to_dict(params))
-        flat = {k: str(v) if getattr(v, "ndim", 0) > 1 else v for k, v in flat.items()}
+        # more than one dimension: its text (Lightning's rule); no dimension: its number (torch's hparams would fail)
+        flat = {k: str(v) if getattr(v, "ndim", 0) > 1 else v.item() if isinstance(v, Tensor) and v.ndim == 0 else v
+                for k, v in flat.items()}
         if metrics is None:
             metrics = {"hp_metric": -1} if self._default_hp_metric else None
         elif not isinstance(metrics, dict):

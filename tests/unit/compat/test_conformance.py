@@ -94,10 +94,10 @@ def public_names(module_name: str) -> List[str]:
 
 def members(cls: type) -> Iterator[Tuple[str, Any]]:
     """``(name, raw attribute)`` for a class's non-underscore methods and properties (inherited ones
-    included) and ``__init__``."""
+    included, except those of builtin bases such as ``str``) and ``__init__``."""
     seen = set()
     for klass in cls.__mro__:
-        if klass is object:
+        if klass is object or klass.__module__ == "builtins":  # str's methods (StrEnum) are not Lightning's surface
             continue
         for name, value in vars(klass).items():
             if name in seen or (name.startswith("_") and name != "__init__"):
@@ -332,9 +332,10 @@ def name_problems(module_name: str, name: str, table: Dict[str, Tuple[str, str, 
         if not callable(ours):
             return [] if status == "different" else [
                 f"{path}: callable in Lightning, a {type(ours).__name__} in fabriclite"]
-        if status == "different" and (only_var_args(theirs) or only_var_args(ours)):
+        if status == "different" and (only_var_args(staticmethod(theirs)) or only_var_args(staticmethod(ours))):
             return []
-        return signature_problems(path, theirs, ours, exempt_params(table, [path]))
+        # a module-level function has no self: compare from its first parameter
+        return signature_problems(path, staticmethod(theirs), staticmethod(ours), exempt_params(table, [path]))
     return []
 
 
