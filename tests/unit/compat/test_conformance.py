@@ -473,8 +473,37 @@ def test_signature_comparison_catches_each_kind_of_gap() -> None:
     assert signature_problems("f", theirs, renamed, {"b"}) == []
     assert any("(a): Lightning's positional parameter 0" in p for p in signature_problems("f", theirs, moved, set()))
     assert any("default 1" in p for p in signature_problems("f", theirs, default, set()))
-    assert len(signature_problems("f", theirs, no_var, set())) == 2
+    assert len(signature_problems("f", theirs, no_var, set())) == 3  # no *args, no **kwargs, c not keyword-only
     assert any("(e): fabriclite requires" in p for p in signature_problems("f", theirs, extra_required, set()))
+
+    def keyword_only(self, *, a, b=1): ...  # noqa: E704
+    def positional(self, a, b=1): ...  # noqa: E704
+    assert signature_problems("f", keyword_only, positional, set()) == [
+        "f(a): keyword-only in Lightning, positional or keyword in fabriclite",
+        "f(b): keyword-only in Lightning, positional or keyword in fabriclite"]
+    assert signature_problems("f", positional, keyword_only, set())  # and the other way round
+    assert any("signature unreadable" in p for p in signature_problems("f", theirs, str.maketrans, set()))
+
+    def var_only(self, *args, **kwargs): ...  # noqa: E704
+    assert only_var_args(var_only) and not only_var_args(theirs) and not only_var_args(positional)
+
+
+def test_a_different_row_exempts_a_signature_only_against_var_args() -> None:
+    """A class member whose row is `different` is still compared parameter by parameter, unless one side takes
+    nothing but ``*args, **kwargs``; a `different` class row does not exempt its members."""
+    class Theirs:
+        def step(self, a, b=1): ...  # noqa: E704
+        def barrier(self, *args, **kwargs): ...  # noqa: E704
+
+    class Ours:
+        def step(self, a, b=2): ...  # noqa: E704
+        def barrier(self, name=None): ...  # noqa: E704
+
+    different = {"x.Theirs.step": ("different", "why", "—"), "x.Theirs.barrier": ("different", "why", "—"),
+                 "x.Theirs": ("different", "why", "—")}
+    assert class_problems("x.", Theirs, Ours, different) == ["x.Theirs.step(b): Lightning's default 1; fabriclite's 2"]
+    assert class_problems("x.", Theirs, Ours, {**different, "x.Theirs.step(b)": ("different", "w", "—")}) == []
+    assert len(class_problems("x.", Theirs, Ours, {})) == 3  # without rows: the default and both var arguments
 
 
 if __name__ == "__main__":  # a report of every gap: python tests/unit/compat/test_conformance.py
