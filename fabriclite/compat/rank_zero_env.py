@@ -12,9 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional, TypeVar, Union
 
-from lightning_utilities.core import rank_zero as _shared
-
-from fabriclite.environments.process_rank import current_rank, ensure_rank
+from fabriclite.environments.process_rank import current_rank, ensure_rank, set_rank, shared_rank_zero_only
 
 T = TypeVar("T")
 
@@ -25,7 +23,7 @@ class _RankZeroOnly:
     environment on first use)."""
 
     def __call__(self, fn: Callable[..., T], default: Optional[T] = None) -> Callable[..., Optional[T]]:
-        decorated = _shared.rank_zero_only(fn, default)
+        decorated = shared_rank_zero_only()(fn, default)
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Optional[T]:
@@ -40,7 +38,7 @@ class _RankZeroOnly:
 
     @rank.setter
     def rank(self, value: int) -> None:
-        _shared.rank_zero_only.rank = value  # type: ignore[attr-defined]
+        set_rank(value)
 
     def __repr__(self) -> str:
         return "rank_zero_only"
@@ -52,16 +50,23 @@ rank_zero_only = _RankZeroOnly()
 def rank_zero_info(*args: Any, stacklevel: int = 4, **kwargs: Any) -> None:
     """Log ``args`` at info level on global rank 0 only."""
     ensure_rank()
-    _shared.rank_zero_info(*args, stacklevel=stacklevel + 1, **kwargs)
+    _shared().rank_zero_info(*args, stacklevel=stacklevel + 1, **kwargs)
 
 
 def rank_zero_warn(message: Union[str, Warning], stacklevel: int = 4, **kwargs: Any) -> None:
     """``warnings.warn(message, **kwargs)`` on global rank 0 only (pointing at the caller)."""
     ensure_rank()
-    _shared.rank_zero_warn(message, stacklevel=stacklevel + 1, **kwargs)
+    _shared().rank_zero_warn(message, stacklevel=stacklevel + 1, **kwargs)
 
 
 def rank_zero_deprecation(message: Union[str, Warning], stacklevel: int = 5, **kwargs: Any) -> None:
     """A deprecation warning on global rank 0 only."""
     ensure_rank()
-    _shared.rank_zero_deprecation(message, stacklevel=stacklevel + 1, **kwargs)
+    _shared().rank_zero_deprecation(message, stacklevel=stacklevel + 1, **kwargs)
+
+
+def _shared() -> Any:
+    """lightning_utilities' rank_zero module (imported on first use)."""
+    from lightning_utilities.core import rank_zero
+
+    return rank_zero

@@ -3,10 +3,9 @@ by hand with ``LOCAL_RANK`` set (Lightning's LightningEnvironment)."""
 
 import os
 
-from lightning_utilities.core.rank_zero import rank_zero_only
-
 from fabriclite.environments._vars import main_address_or, main_port_or, read_int, read_optional_int
 from fabriclite.environments.base import ClusterEnvironment
+from fabriclite.environments.process_rank import set_rank
 
 
 class LocalEnvironment(ClusterEnvironment):
@@ -63,7 +62,7 @@ class LocalEnvironment(ClusterEnvironment):
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"LocalEnvironment.set_global_rank({rank!r}): the rank must be an int >= 0.")
         self._global_rank = rank
-        rank_zero_only.rank = rank  # type: ignore[attr-defined]
+        set_rank(rank)
 
     def local_rank(self) -> int:
         return read_int("LOCAL_RANK", self.name, default=0)

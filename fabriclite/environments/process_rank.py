@@ -5,9 +5,7 @@ A strategy sets the real global rank when its rank joins. Importing this module 
 from __future__ import annotations
 
 import os
-from typing import Optional
-
-from lightning_utilities.core.rank_zero import rank_zero_only
+from typing import Any, Optional
 
 #: environment variables that carry a process's rank, in the order Lightning reads them
 RANK_ENV_VARS = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
@@ -26,13 +24,26 @@ def rank_from_env() -> Optional[int]:
     return None
 
 
+def shared_rank_zero_only() -> Any:
+    """lightning_utilities' ``rank_zero_only`` (imported on first use: ``import fabriclite`` stays light)."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    return rank_zero_only
+
+
 def ensure_rank() -> None:
     """Set ``rank_zero_only.rank`` from the environment (else 0) unless something set it already."""
-    if getattr(rank_zero_only, "rank", None) is None:
-        rank_zero_only.rank = rank_from_env() or 0  # type: ignore[attr-defined]
+    shared = shared_rank_zero_only()
+    if getattr(shared, "rank", None) is None:
+        shared.rank = rank_from_env() or 0
 
 
 def current_rank() -> int:
     """The rank ``rank_zero_only`` decides with (given from the environment first when nothing set it)."""
     ensure_rank()
-    return rank_zero_only.rank  # type: ignore[attr-defined]
+    return shared_rank_zero_only().rank
+
+
+def set_rank(rank: int) -> None:
+    """Make ``rank`` the one ``rank_zero_only`` decides with (a process that now knows its global rank)."""
+    shared_rank_zero_only().rank = rank

@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import functools
 import inspect
 from types import MethodType
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
@@ -23,6 +22,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from fabriclite.checkpoint import loader_position
+from fabriclite.training import forward_methods
 from fabriclite.training.callbacks import call_hook
 from fabriclite.strategies.base import Strategy
 
@@ -86,59 +86,18 @@ class FabricModule(nn.Module):
                                  "does not exist or is not a method.")
         self._forward_methods.add(name)
 
-    def _redirect_through_forward(self, name: str) -> Callable[..., Any]:
-        original = self._original_module
-        original_forward = original.forward
-
-        def redirected(*args: Any, **kwargs: Any) -> Any:
-            original.forward = original_forward  # type: ignore[method-assign]
-            return getattr(original, name)(*args, **kwargs)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            original.forward = redirected  # type: ignore[method-assign]
-            try:
-                return self.forward(*args, **kwargs)
-            finally:
-                original.__dict__.pop("forward", None)
-
-        return call
-
-    def _refuse_bypass(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
-        """``method`` of the original module, checked: RuntimeError (after it ran) when it ran any submodule, since
-        that computation bypassed the strategy's wrapper (DDP would not synchronise its gradients). Lightning's
-        rule; ``mark_forward_method(name)`` routes it through the wrapper instead."""
-        original = self._original_module
-
-        @functools.wraps(method)
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            called = []
-            handles = [m.register_forward_hook(lambda *_: called.append(True)) for m in original.modules()]
-            try:
-                output = method(*args, **kwargs)
-            finally:
-                for handle in handles:
-                    handle.remove()
-            if called:
-                raise RuntimeError(
-                    f"You are calling the method `{type(original).__name__}.{name}()` from outside the model: it runs "
-                    "the network without the strategy's wrapper, so its gradients would not be synchronised and the "
-                    f"ranks would diverge. Mark it as a forward method with `model.mark_forward_method({name!r})` "
-                    "after `fabric.setup()`.")
-            return output
-
-        return checked
-
     def __getattr__(self, item: str) -> Any:
         if item in ("_forward_methods", "_forward_module", "_original_module"):
             return super().__getattr__(item)
         wrapped = self._forward_module is not self._original_module
         if item in self._forward_methods and wrapped and hasattr(self._original_module, item):
-            return self._redirect_through_forward(item)
+            return forward_methods.through_forward(self._original_module, item, self.forward)
         try:
             return super().__getattr__(item)
         except AttributeError:
             attr = getattr(self._original_module, item)
-            return self._refuse_bypass(attr, item) if wrapped and inspect.ismethod(attr) else attr
+            return forward_methods.refuse_bypass(self._original_module, attr, item) \
+                if wrapped and inspect.ismethod(attr) else attr
 
     def __setattr__(self, name: str, value: Any) -> None:
         if not getattr(self, "_fabric_module_initialized", False):
