@@ -136,7 +136,8 @@ class Strategy(ABC):
         device = device or self.root_device
         return apply_to_collection(batch, Tensor, lambda t: t.to(device, non_blocking=True))
 
-    def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer], scheduler: Optional[Any] = None
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer],
+                                    scheduler: Optional[Any] = None
                                     ) -> Tuple[nn.Module, List[Optimizer], Optional[Any]]:
         """Wrap ``module`` (already on the device) and its optimizers together; strategies that must see
         both at once (XLA, sharded ones) override this. Default: ``setup_module`` + ``setup_optimizer``.

@@ -49,7 +49,8 @@ class ShardedStrategy(DDPStrategy):
 
         return module_init_context(torch.device("meta"), self.precision.module_init_context(), False)
 
-    def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer], scheduler: Optional[Any] = None
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer],
+                                    scheduler: Optional[Any] = None
                                     ) -> Tuple[nn.Module, List[Optimizer], Optional[Any]]:
         """Shard ``module``; optimizers built from it before are re-pointed at the sharded parameters (same order).
         ValueError for an optimizer that holds state already. The scheduler passes through unchanged."""

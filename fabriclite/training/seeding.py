@@ -25,9 +25,9 @@ _MAX_SEED = 2**32 - 1
 def seed_everything(seed: Optional[int] = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed python's ``random``, numpy and torch (all devices) with ``seed`` and return it.
 
-    ``seed=None`` reads ``$PL_GLOBAL_SEED`` (0 when unset, with a warning on rank 0 when ``verbose``). ``workers=True`` makes
-    ``setup_dataloaders`` add ``worker_init_fn`` to loaders that have none, so that worker ``w`` of rank
-    ``r`` gets seeds that differ across (rank, worker) and repeat run after run. The distributed sampler's
+    ``seed=None`` reads ``$PL_GLOBAL_SEED`` (0 when unset, with a warning on rank 0 when ``verbose``).
+    ``workers=True`` makes ``setup_dataloaders`` add ``worker_init_fn`` to loaders that have none, so that worker
+    ``w`` of rank ``r`` gets seeds that differ across (rank, worker) and repeat run after run. The distributed sampler's
     shuffling seed is this seed too. ValueError for a seed outside 0 .. 2**32-1.
     """
     if seed is None:

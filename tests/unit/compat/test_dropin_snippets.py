@@ -317,7 +317,8 @@ class Config:
 
 
 def test_tensorboard_log_hyperparams_sanitises_like_lightning(plain_process, tmp_path):
-    params = {"tensor": torch.tensor([0.5]), "matrix": torch.ones(2, 2), "array": np.arange(3), "np_float": np.float32(2),
+    params = {"tensor": torch.tensor([0.5]), "matrix": torch.ones(2, 2), "array": np.arange(3),
+              "np_float": np.float32(2),
               "cls": nn.Linear, "none": None, "list": [1, 2], "dicts": [{"a": 1}, {"b": 2}], "cfg": Config(),
               "ns": Namespace(lr=0.1), "nested": {"x": {"y": True}}}
 
