@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
+import warnings
 from typing import Any, Iterable, List, Optional, Union
 
 from fabriclite.accelerators import ACCELERATORS, Accelerator, accelerator_class
-from fabriclite.environments import ClusterEnvironment, FabricliteEnvironment, detect_environment
+from fabriclite.compat.user_warnings import PossibleUserWarning
+from fabriclite.environments import (FORCE_ENVIRONMENT_VAR, ClusterEnvironment, FabricliteEnvironment,
+                                     LocalEnvironment, SLURMEnvironment, TorchElasticEnvironment, detect_environment)
+from fabriclite.environments.process_rank import current_rank
 from fabriclite.supervision.restarts import resolve_max_restarts
 from fabriclite.precision import Precision, normalize_precision, precision_plugin
 from fabriclite.strategies import STRATEGIES, DDPStrategy, SingleDeviceStrategy, Strategy, create_strategy
@@ -88,6 +93,8 @@ class Connector:
         self.accelerator = self._resolve_accelerator(accelerator, strategy)
         env = forced_env or (strategy.cluster_environment if isinstance(strategy, Strategy) else None)
         self.cluster_environment: ClusterEnvironment = detect_environment(env)
+        if env is None:
+            _hint_srun(self.cluster_environment)
         self.num_processes, parallel_devices = self._resolve_devices(devices)
         self.precision: Precision = precision_instance or precision_plugin(
             precision_name, parallel_devices[0].type)
@@ -159,18 +166,15 @@ class Connector:
             parsed = self.accelerator.parse_devices(devices)
         parallel_devices = self.accelerator.get_parallel_devices(parsed)
         count = len(parallel_devices)
-        if external:
-            if not self.num_nodes_given and env.num_nodes():
-                self.num_nodes = env.num_nodes()
-            elif not self.num_nodes_given:
-                self.num_nodes = max(1, env.world_size() // count)
-            env.validate(count, self.num_nodes)
-        else:
+        if external and not self.num_nodes_given:
+            self.num_nodes = env.num_nodes() or max(1, env.world_size() // count)
+        if not external or isinstance(env, LocalEnvironment):  # ranks by fabriclite, or started by hand (Lightning's)
             env.set_world_size(count * self.num_nodes)
             env.set_global_rank(env.node_rank() * count + env.local_rank())
             if env.node_rank() >= self.num_nodes:
                 raise ValueError(f"node rank {env.node_rank()} (NODE_RANK / --node-rank) is out of range for "
                                  f"num_nodes={self.num_nodes}; expected 0..{self.num_nodes - 1}.")
+        env.validate(count, self.num_nodes)
         return count, parallel_devices
 
     # ------------------------------------------------------------------ strategy
@@ -205,6 +209,19 @@ class Connector:
         if check is not None:
             check(getattr(self.accelerator, "name", type(self.accelerator).__name__), world)
         return strategy
+
+
+def _hint_srun(env: ClusterEnvironment) -> None:
+    """Lightning's hint (a PossibleUserWarning, on rank 0): ``srun`` exists on this machine, but this process was
+    not started by it (nor by torchrun, nor forced), so a SLURM job would run each rank's processes on its own."""
+    if isinstance(env, TorchElasticEnvironment) or os.environ.get(FORCE_ENVIRONMENT_VAR, "").strip():
+        return
+    if shutil.which("srun") is None or SLURMEnvironment.detect() or current_rank() != 0:
+        return
+    hint = " ".join(["srun", os.path.basename(sys.executable), *sys.argv])[:64]
+    warnings.warn("The `srun` command is available on your system but is not used. HINT: If your intention is to run "
+                  f"on SLURM, prepend your python command with `srun` like so: {hint} ...", PossibleUserWarning,
+                  stacklevel=4)
 
 
 def _auto_accelerator() -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import atexit
 import os
-from contextlib import contextmanager
+import warnings
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Dict, Generator, List, Mapping, Optional, Union
 
 import torch
@@ -17,9 +18,9 @@ from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import manifest, resume_state
 from fabriclite.checkpoint.resume_state import ResumeState
 from fabriclite.checkpoint.saving import load_checkpoint, load_raw, save_checkpoint
-from fabriclite.compat import lightning_module, run_method
+from fabriclite.compat import lightning_module, run_method, user_warnings
 from fabriclite.connector import Connector, cli_used
-from fabriclite.loggers.base import share_logger_state
+from fabriclite.loggers.base import scalars, share_logger_state
 from fabriclite.strategies import Strategy
 from fabriclite.supervision import rank_signals
 from fabriclite.supervision.output_forwarding import line_buffer_stdio
@@ -49,6 +50,7 @@ class Fabric:
 
     def __init__(
         self,
+        *,
         accelerator: Union[str, Accelerator] = "auto",
         strategy: Union[str, Strategy] = "auto",
         devices: Union[List[int], str, int] = "auto",
@@ -69,6 +71,7 @@ class Fabric:
         self._joined_by_cli = False
         self._preempted = False
         self._bind_loggers()
+        user_warnings.apply_env_switch()  # POSSIBLE_USER_WARNINGS=0 / off (Lightning reads it on import)
         cli = cli_used()
         run_method.prepare(self, Fabric, cli)
         if cli and self._strategy.launcher is None:  # the CLI started this rank: join now, as Lightning does
@@ -123,7 +126,7 @@ class Fabric:
         """Override in a subclass with the training code: ``fabric.run(...)`` then launches the processes and
         runs it on every rank with those arguments (see fabriclite.compat.run_method)."""
 
-    def launch(self, function: Optional[Callable[..., Any]] = None, *args: Any, **kwargs: Any) -> Any:
+    def launch(self, function: Callable[..., Any] = run_method.do_nothing, *args: Any, **kwargs: Any) -> Any:
         """Start or join the processes, then run ``function(self, *args, **kwargs)`` on every rank if
         given.
 
@@ -132,9 +135,12 @@ class Fabric:
         gets its own return value. spawn/fork strategies need ``function`` and return rank 0's result.
         Under an external launcher (torchrun, srun, mpirun) nothing is started. Under `fabriclite run` (or
         Lightning's `fabric run`) the Fabric joined in ``__init__``: ``launch()`` does nothing and
-        ``launch(fn, ...)`` returns ``fn(fabric, ...)`` run on this rank.
+        ``launch(fn, ...)`` returns ``fn(fabric, ...)`` run on this rank. TypeError for a ``function`` that is
+        not a callable taking the Fabric (``launch(None)``, ``launch(train(fabric))``), before anything starts.
         """
         run_method.check_function(function)
+        if function is run_method.do_nothing:
+            function = None
         if self._joined_by_cli:
             return function(self, *args, **kwargs) if function is not None else None
         if self._launched:
@@ -244,7 +250,8 @@ class Fabric:
               move_to_device: bool = True, _reapply_compile: bool = True) -> Any:
         """The wrapped module, or ``(module, *optimizers[, scheduler])`` (see fabriclite.training.wrapping.setup_module)."""
         self._check_launched("setup")
-        wrapped, opts = wrapping.setup_module(self._strategy, module, optimizers, move_to_device, self._callbacks)
+        wrapped, opts, scheduler = wrapping.setup_module(self._strategy, module, optimizers, move_to_device,
+                                                         self._callbacks, scheduler, _reapply_compile)
         lightning_module.attach(self, wrapped.module, self._callbacks, opts)
         self.call("on_after_setup", fabric=self, module=wrapped)
         if not opts:
@@ -255,7 +262,8 @@ class Fabric:
                      _reapply_compile: bool = True) -> FabricModule:
         """``module`` wrapped for the strategy and precision, without optimizers."""
         self._check_launched("setup_module")
-        wrapped, _ = wrapping.setup_module(self._strategy, module, (), move_to_device, self._callbacks)
+        wrapped, _, _ = wrapping.setup_module(self._strategy, module, (), move_to_device, self._callbacks,
+                                              reapply_compile=_reapply_compile)
         lightning_module.attach(self, wrapped.module, self._callbacks)
         self.call("on_after_setup", fabric=self, module=wrapped)
         return wrapped
@@ -317,6 +325,16 @@ class Fabric:
         """Build modules on the device, in the precision's dtype (skip initialisers with ``empty_init``)."""
         self._check_launched("init_module")
         return self._strategy.module_init_context(empty_init=empty_init)
+
+    def sharded_model(self) -> ContextManager:
+        """Deprecated (Lightning too): warns, and returns the strategy's module-sharding context where it has one,
+        else a null context. Use ``init_module()``."""
+        if self.is_global_zero:
+            warnings.warn("`Fabric.sharded_model()` is deprecated in favor of `Fabric.init_module()`.",
+                          DeprecationWarning, stacklevel=2)
+        self._check_launched("sharded_model")
+        context = getattr(self._strategy, "module_sharded_context", None)
+        return context() if context is not None else nullcontext()
 
     def init_tensor(self) -> ContextManager:
         """Create tensors on the device, in the precision's dtype."""
@@ -417,10 +435,11 @@ class Fabric:
         self.log_dict({name: value}, step=step)
 
     def log_dict(self, metrics: Mapping[str, Any], step: Optional[int] = None) -> None:
-        """Log scalars (tensors become numbers) to every logger, on global rank 0 only."""
+        """Log scalars (one-element tensors become numbers, in nested collections too) to every logger, on global
+        rank 0 only. ValueError naming the key for a tensor of several elements (on every rank, as Lightning)."""
+        metrics = scalars(metrics, convert=self.is_global_zero and bool(self._loggers))
         if not self.is_global_zero or not self._loggers:
             return
-        metrics = {k: v.item() if isinstance(v, Tensor) else v for k, v in metrics.items()}
         for logger in self._loggers:
             logger.log_metrics(metrics=metrics, step=step)
 

@@ -1,7 +1,8 @@
 """Precision plugins: 32-true, 64-true, 16-mixed, bf16-mixed, 16-true, bf16-true.
 
-A plugin converts the module (``*-true``), opens the autocast context (``*-mixed``), and runs
-backward / optimizer steps (gradient scaling for 16-mixed on cuda).
+A plugin converts the module (``*-true``), casts floating-point inputs of a set-up module's ``forward`` to its
+compute dtype (every mode but 32-true) and the outputs back to the default dtype, opens the autocast context
+(``*-mixed``), and runs backward / optimizer steps (gradient scaling for 16-mixed on cuda). As Lightning's plugins.
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ class Precision:
     name = "32-true"
     #: dtype that parameters are converted to (None: left as they are)
     param_dtype: Optional[torch.dtype] = None
+    #: dtype that floating-point inputs of a set-up module's ``forward`` are cast to, and whose outputs come back
+    #: in the default dtype (None: inputs and outputs as they are)
+    input_dtype: Optional[torch.dtype] = None
     #: True when ``loss.backward()`` would be wrong (the loss must be scaled): set-up modules then make
     #: ``loss.backward()`` raise and ask for ``fabric.backward(loss)``
     requires_fabric_backward: bool = False
@@ -56,16 +60,13 @@ class Precision:
         return module.to(dtype=self.param_dtype) if self.param_dtype is not None else module
 
     def convert_input(self, data: Any) -> Any:
-        """Float tensors in ``data`` cast to ``param_dtype`` (true modes); others unchanged."""
-        if self.param_dtype is None:
-            return data
-        from lightning_utilities.core.apply_func import apply_to_collection
-
-        dtype = self.param_dtype
-        return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        """Floating-point tensors in ``data`` cast to ``input_dtype`` (every mode but 32-true, as Lightning's
+        plugins); other tensors and values unchanged."""
+        return data if self.input_dtype is None else _cast_floats(data, self.input_dtype)
 
     def convert_output(self, data: Any) -> Any:
-        return data
+        """Floating-point tensors in ``data`` back in the default dtype where inputs were cast."""
+        return data if self.input_dtype is None else _cast_floats(data, torch.get_default_dtype())
 
     def forward_context(self) -> ContextManager:
         """Around every forward: autocast (mixed) or the parameter dtype as default dtype (true modes)."""
@@ -127,8 +128,15 @@ class Precision:
 
 
 class DoublePrecision(Precision):
+    """64-true: floating-point parameters, buffers, inputs and new tensors in float64; complex ones are left as
+    they are (``Module.double()``, as Lightning)."""
+
     name = "64-true"
     param_dtype = torch.float64
+    input_dtype = torch.float64
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.double()
 
 
 class HalfPrecision(Precision):
@@ -136,11 +144,12 @@ class HalfPrecision(Precision):
 
     def __init__(self, precision: str = "16-true") -> None:
         self.name = precision
-        self.param_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+        self.param_dtype = self.input_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
 
 
 class MixedPrecision(Precision):
-    """16-mixed / bf16-mixed: autocast in forward; a GradScaler for 16-mixed on cuda."""
+    """16-mixed / bf16-mixed: autocast in forward, floating-point inputs cast to its dtype (as Lightning); a
+    GradScaler for 16-mixed on cuda."""
 
     def __init__(self, precision: str, device: str, scaler: Optional["torch.amp.GradScaler"] = None) -> None:
         if precision == "16-mixed" and device == "cpu":
@@ -148,7 +157,7 @@ class MixedPrecision(Precision):
             precision = "bf16-mixed"
         self.name = precision
         self.device = device
-        self.dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
+        self.dtype = self.input_dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
         if scaler is None and precision == "16-mixed" and device == "cuda":
             scaler = torch.amp.GradScaler("cuda")
         self.scaler = scaler
@@ -157,12 +166,6 @@ class MixedPrecision(Precision):
 
     def forward_context(self) -> ContextManager:
         return torch.autocast(self.device, dtype=self.dtype)
-
-    def convert_output(self, data: Any) -> Any:
-        from lightning_utilities.core.apply_func import apply_to_collection
-
-        default = torch.get_default_dtype()
-        return apply_to_collection(data, Tensor, lambda t: t.to(default) if t.is_floating_point() else t)
 
     def backward(self, tensor: Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         if self.scaler is None:
@@ -205,6 +208,12 @@ def precision_plugin(precision: Union[str, int], device_type: str) -> Precision:
     if name in ("16-true", "bf16-true"):
         return HalfPrecision(name)
     return MixedPrecision(name, "cuda" if device_type == "cuda" else "cpu")
+
+
+def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 @contextmanager

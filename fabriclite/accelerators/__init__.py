@@ -1,6 +1,7 @@
 """Accelerators: what a device is. Pick one by name through ``ACCELERATORS``.
 
-``"tpu"`` maps to the XLA accelerator, whose module imports torch_xla only when used.
+``"tpu"`` maps to the XLA accelerator, whose module imports torch_xla only when used. Peak FLOP/s per chip and
+dtype (for model FLOPs utilisation): ``peak_flops``.
 
 May import: ``distributed`` only (the floor below). Entry points: ``ACCELERATORS``, ``accelerator_class``.
 """

@@ -51,9 +51,15 @@ def prepare(fabric: Any, base: type, cli: bool) -> None:
     fabric.run = RunLauncher(fabric)
 
 
+def do_nothing(*_: Any) -> None:
+    """The default ``function`` of ``Fabric.launch`` (Lightning's ``_do_nothing``): only start or join the processes.
+    A sentinel, so that ``launch(None)`` is told apart from ``launch()``."""
+
+
 def check_function(function: Any) -> None:
-    """Lightning's checks of ``launch(function)``: a callable that takes at least the Fabric."""
-    if function is None:
+    """Lightning's checks of ``launch(function)``: a callable that takes at least the Fabric (``do_nothing``, the
+    default, passes). TypeError otherwise, ``None`` included: ``launch(train(fabric))`` passes train's result."""
+    if function is do_nothing:
         return
     if not callable(function):
         raise TypeError(f"launch(function={function!r}): expected a callable taking the Fabric as first argument, or "

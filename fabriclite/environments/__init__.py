@@ -4,6 +4,8 @@ Detection order (see :mod:`fabriclite.environments.detect`): forced instance (``
 ``FABRICLITE_CLUSTER_ENVIRONMENT=<name>`` > torchelastic > slurm > lsf > mpi > fabriclite children > env:// > local.
 Importing this package reads nothing, writes nothing and imports no optional backend (torch_xla, mpi4py, horovod).
 
+The rank a process has before it joins (Lightning's ``rank_zero_only`` rank): ``process_rank``.
+
 May import: ``distributed`` only. Entry points: ``detect.detect_environment``, ``ENVIRONMENTS``.
 """
 

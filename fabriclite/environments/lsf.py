@@ -7,18 +7,19 @@ from typing import List, Optional
 from fabriclite.environments._vars import all_set, main_address_or, main_port_or, parse_int, read_int, read_str
 from fabriclite.environments.base import ClusterEnvironment
 
-_REQUIRED = ("LSB_JOBID", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_LOCAL_RANK")
+#: what Lightning's LSFEnvironment.detect requires (jsrun sets the JSM_* ones, LSF the others)
+_REQUIRED = ("LSB_JOBID", "LSB_DJOB_RANKFILE", "JSM_NAMESPACE_LOCAL_RANK", "JSM_NAMESPACE_SIZE")
 
 
 class LSFEnvironment(ClusterEnvironment):
     """Ranks started by ``jsrun`` in an LSF job.
 
-    Detected when ``LSB_JOBID``, ``JSM_NAMESPACE_SIZE``, ``JSM_NAMESPACE_RANK`` and ``JSM_NAMESPACE_LOCAL_RANK`` are
-    set. World, rank and local rank come from the ``JSM_NAMESPACE_*`` variables. The job's hosts are read from the
-    rank file named by ``LSB_DJOB_RANKFILE`` (one host per line), else from ``LSB_HOSTS`` (space separated); as in
-    Lightning, the first entry is the launch node and is dropped when more follow. Main address: ``MASTER_ADDR``,
-    else the first remaining host. Node rank: position of this machine's host name among the distinct hosts. Main
-    port: ``MASTER_PORT``, else ``10000 + LSB_JOBID % 1000`` (as Lightning).
+    Detected when ``LSB_JOBID``, ``LSB_DJOB_RANKFILE``, ``JSM_NAMESPACE_LOCAL_RANK`` and ``JSM_NAMESPACE_SIZE`` are
+    set (Lightning's rule). World, rank and local rank come from the ``JSM_NAMESPACE_*`` variables. The job's hosts
+    are read from the rank file named by ``LSB_DJOB_RANKFILE`` (one host per line); as in Lightning, the first entry
+    is the launch node and is dropped (kept when it is the only one). Main address: ``MASTER_ADDR``, else the first
+    remaining host. Node rank: position of this machine's host name (or its short name) among the distinct hosts.
+    Main port: ``MASTER_PORT``, else ``10000 + LSB_JOBID % 1000`` (as Lightning).
     """
 
     name = "lsf"
@@ -33,21 +34,14 @@ class LSFEnvironment(ClusterEnvironment):
 
     def hosts(self) -> List[str]:
         """The job's compute hosts, one entry per slot, launch node removed."""
-        rankfile = os.environ.get("LSB_DJOB_RANKFILE", "").strip()
-        if rankfile:
-            try:
-                with open(rankfile, encoding="utf-8") as handle:
-                    entries = [line.strip() for line in handle if line.strip()]
-            except OSError as err:
-                raise ValueError(
-                    f"The lsf cluster environment cannot read LSB_DJOB_RANKFILE={rankfile!r}: {err}"
-                ) from None
-            source = f"LSB_DJOB_RANKFILE={rankfile!r}"
-        else:
-            entries = read_str("LSB_HOSTS", self.name).split()
-            source = "LSB_HOSTS"
+        rankfile = read_str("LSB_DJOB_RANKFILE", self.name)
+        try:
+            with open(rankfile, encoding="utf-8") as handle:
+                entries = [line.strip() for line in handle if line.strip()]
+        except OSError as err:
+            raise ValueError(f"The lsf cluster environment cannot read LSB_DJOB_RANKFILE={rankfile!r}: {err}") from None
         if not entries:
-            raise ValueError(f"The lsf cluster environment found no host in {source}.")
+            raise ValueError(f"The lsf cluster environment found no host in LSB_DJOB_RANKFILE={rankfile!r}.")
         return entries[1:] if len(entries) > 1 else entries
 
     @property
@@ -84,7 +78,7 @@ class LSFEnvironment(ClusterEnvironment):
         )
 
     def num_nodes(self) -> Optional[int]:
-        """Distinct hosts of the job, or None when neither LSB_DJOB_RANKFILE nor LSB_HOSTS is set."""
-        if not (os.environ.get("LSB_DJOB_RANKFILE", "").strip() or os.environ.get("LSB_HOSTS", "").strip()):
+        """Distinct hosts of the job, or None when LSB_DJOB_RANKFILE is not set."""
+        if not os.environ.get("LSB_DJOB_RANKFILE", "").strip():
             return None
         return len(self._distinct_hosts())

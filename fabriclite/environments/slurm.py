@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 from typing import List, Optional
 
 from fabriclite.environments._vars import (first_set, main_address_or, main_port_or, parse_int, read_int,
@@ -35,24 +36,21 @@ def parse_tasks_per_node(text: str) -> List[int]:
     return counts
 
 
+#: Lightning's address and port when neither MASTER_* nor SLURM's node list / job id are set
+DEFAULT_ADDRESS, DEFAULT_PORT = "127.0.0.1", 12910
+
+
 def _first_node() -> str:
-    """The first host of the step's (else the job's) node list."""
+    """The first host of the step's (else the job's) node list; 127.0.0.1 without one (Lightning's default)."""
     var = first_set(_NODELIST_VARS)
-    if var is None:
-        raise ValueError(
-            f"The slurm cluster environment needs the main address: set MASTER_ADDR, or run under srun so that "
-            f"one of {', '.join(_NODELIST_VARS)} is set."
-        )
-    return first_host(os.environ[var])
+    return DEFAULT_ADDRESS if var is None else first_host(os.environ[var])
 
 
 def _job_port() -> int:
-    """``15000 + int(last 4 digits of SLURM_JOB_ID)``, as Lightning derives it."""
+    """``15000 + int(last 4 digits of SLURM_JOB_ID)``, else 12910, as Lightning derives it."""
     job_id = os.environ.get("SLURM_JOB_ID", "").strip()
     if not job_id:
-        raise ValueError(
-            "The slurm cluster environment needs a port: set MASTER_PORT, or SLURM_JOB_ID to derive one from."
-        )
+        return DEFAULT_PORT
     return 15000 + parse_int("SLURM_JOB_ID", job_id[-4:], SLURMEnvironment.name)
 
 
@@ -66,11 +64,19 @@ class SLURMEnvironment(ClusterEnvironment):
     rank); ranks on this node from ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_NTASKS_PER_NODE`` /
     ``SLURM_TASKS_PER_NODE`` (``"2(x3),1"`` notation); nodes from ``SLURM_STEP_NUM_NODES`` / ``SLURM_NNODES``.
     Main address: ``MASTER_ADDR``, else the first host of ``SLURM_STEP_NODELIST`` / ``SLURM_NODELIST`` /
-    ``SLURM_JOB_NODELIST``. Main port: ``MASTER_PORT``, else ``15000 + int(last 4 digits of SLURM_JOB_ID)``
-    (as Lightning does), so every rank of a job agrees without talking and concurrent jobs rarely collide.
+    ``SLURM_JOB_NODELIST``, else 127.0.0.1. Main port: ``MASTER_PORT``, else ``15000 + int(last 4 digits of
+    SLURM_JOB_ID)``, else 12910 (as Lightning does), so every rank of a job agrees without talking and concurrent
+    jobs rarely collide.
     """
 
     name = "slurm"
+
+    def __init__(self, auto_requeue: bool = True, requeue_signal: Optional[signal.Signals] = None) -> None:
+        """``auto_requeue`` / ``requeue_signal`` (default SIGUSR1) are kept as attributes, as Lightning Fabric's
+        (only Lightning's Trainer acts on them); fabriclite's requeueing is configured where the signal is
+        handled: ``fabriclite run --no-requeue`` / ``FABRICLITE_REQUEUE=0`` (docs/reliability.md)."""
+        self.auto_requeue = auto_requeue
+        self.requeue_signal = signal.SIGUSR1 if requeue_signal is None else requeue_signal
 
     @classmethod
     def detect(cls) -> bool:

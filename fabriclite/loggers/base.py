@@ -1,13 +1,17 @@
 """The Logger base: what ``Fabric(loggers=[...])`` takes, and the rank-0-only rule every logger follows."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from abc import ABC, abstractmethod
 from argparse import Namespace
+from collections.abc import MutableMapping
 from typing import Any, Callable, Dict, List, Mapping, Optional, TypeVar, Union
 
 from torch import Tensor
+
+from fabriclite.environments.process_rank import rank_from_env
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -24,21 +28,16 @@ def rank_zero_only(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-#: where a logger used without a Fabric reads its rank: fabriclite's supervised ranks, then Lightning's
-#: ``rank_zero_only.rank`` sources in Lightning's order
-RANK_VARS = ("FABRICLITE_RANK", "RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
-
-
 def env_rank() -> int:
-    """This process's rank from the environment (the first of ``RANK_VARS`` that is set; 0 when none is)."""
-    for name in RANK_VARS:
-        value = os.environ.get(name)
-        if value is not None:
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(f"${name}={value!r}: expected an int (the rank of this process).") from None
-    return 0
+    """This process's rank from the environment, for a logger used without a Fabric: ``FABRICLITE_RANK`` (ranks of
+    fabriclite's supervisor), else Lightning's ``rank_zero_only`` variables in Lightning's order, else 0."""
+    value = os.environ.get("FABRICLITE_RANK")
+    if value is not None:
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"$FABRICLITE_RANK={value!r}: expected an int (the rank of this process).") from None
+    return rank_from_env() or 0
 
 
 class DummyExperiment:
@@ -82,7 +81,7 @@ class Logger(ABC):
     Writes happen on global rank 0 only: ``Fabric`` tells each logger its rank (``bind_rank``) when the
     Fabric is created and again when the processes are launched; the ``rank_zero_only`` decorator turns
     the writing methods into no-ops on every other rank, so nothing touches the disk there. A logger used
-    without a Fabric takes its rank from the environment (``RANK_VARS``, as Lightning's ``rank_zero_only``
+    without a Fabric takes its rank from the environment (``env_rank``, as Lightning's ``rank_zero_only``
     does), so that only rank 0 writes there too. ``experiment`` is a ``DummyExperiment`` on other ranks.
     """
 
@@ -175,8 +174,12 @@ class VersionedLogger(Logger):
     @property
     def version(self) -> Union[int, str]:
         if self._version is None:
-            self._version = next_version(os.path.join(self._root_dir, self._name))
+            self._version = next_version(self._versions_root())
         return self._version
+
+    def _versions_root(self) -> str:
+        """The directory holding the ``version_<n>`` directories."""
+        return os.path.join(self._root_dir, self._name)
 
     @property
     def root_dir(self) -> str:
@@ -209,6 +212,24 @@ def add_prefix(metrics: Mapping[str, Any], prefix: str, separator: str) -> Dict[
     return {f"{prefix}{separator}{k}": v for k, v in metrics.items()}
 
 
+def scalars(metrics: Mapping[str, Any], convert: bool = True) -> Dict[str, Any]:
+    """``metrics`` with every tensor in it (nested collections too) as a Python number (``convert=False``: only
+    checked). ValueError naming the key for a tensor that has not exactly one element (Lightning: ValueError)."""
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    out: Dict[str, Any] = {}
+    for key, value in metrics.items():
+        def item(tensor: Tensor, key: str = key) -> Any:
+            if tensor.numel() != 1:
+                raise ValueError(f"The metric {key!r} is a tensor with {tensor.numel()} elements (shape "
+                                 f"{tuple(tensor.shape)}), which cannot be logged as a scalar; log one number, e.g. "
+                                 f"its mean, or one key per element.")
+            return tensor.item() if convert else tensor
+
+        out[key] = apply_to_collection(value, Tensor, item)
+    return out
+
+
 def to_scalar(value: Any) -> Any:
     """A number for a one-element tensor; other values unchanged."""
     if isinstance(value, Tensor):
@@ -216,23 +237,47 @@ def to_scalar(value: Any) -> Any:
     return value
 
 
-def params_to_dict(params: Union[Dict[str, Any], Namespace]) -> Dict[str, Any]:
-    """Hyperparameters as a flat ``{"a/b": value}`` dict (a Namespace becomes a dict first)."""
+def params_to_dict(params: Union[Dict[str, Any], Namespace, None]) -> Dict[str, Any]:
+    """Hyperparameters as a flat ``{"a/b": value}`` dict, flattened as Lightning does: a Namespace or dataclass
+    becomes a dict, nested mappings and lists of mappings (``"a/0/b"``) are flattened, other values kept."""
     if isinstance(params, Namespace):
         params = vars(params)
     flat: Dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, Mapping):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        elif isinstance(value, Namespace):
+            value = vars(value)
+        if isinstance(value, MutableMapping):
             for k, v in value.items():
                 walk(f"{prefix}/{k}" if prefix else str(k), v)
-        elif isinstance(value, Namespace):
-            walk(prefix, vars(value))
+        elif isinstance(value, list) and all(isinstance(item, MutableMapping) for item in value):  # [] goes too
+            for i, item in enumerate(value):
+                walk(f"{prefix}/{i}", item)
         else:
             flat[prefix] = value
 
-    walk("", params)
+    for key, value in (params or {}).items():
+        walk(str(key), value)
     return flat
+
+
+def sanitize_params(params: Dict[str, Any]) -> Dict[str, Any]:
+    """Hyperparameter values TensorBoard can record, as Lightning makes them: numpy scalars as Python numbers;
+    anything but a bool, int, float, str or tensor as its ``str()`` (classes, arrays, lists, None, ...)."""
+    try:
+        import numpy as np
+
+        numbers: tuple = (np.bool_, np.integer, np.floating)
+    except ImportError:  # pragma: no cover - numpy comes with the test extras, not with torch
+        numbers = ()
+    out = {}
+    for key, value in params.items():
+        if isinstance(value, numbers):
+            value = value.item()
+        out[key] = value if type(value) in (bool, int, float, str, Tensor) else str(value)
+    return out
 
 
 def next_version(root: str) -> int:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import warnings
 from argparse import Namespace
 from typing import Any, Dict, Mapping, Optional, Union
 
 from torch import Tensor
 
-from fabriclite.loggers.base import DummyExperiment, VersionedLogger, add_prefix, params_to_dict, rank_zero_only, to_scalar
+from fabriclite.loggers.base import (DummyExperiment, VersionedLogger, add_prefix, params_to_dict, rank_zero_only,
+                                     sanitize_params, to_scalar)
 
 
 class TensorBoardLogger(VersionedLogger):
@@ -16,8 +18,9 @@ class TensorBoardLogger(VersionedLogger):
 
     The writer is created on first use on global rank 0; other ranks never import tensorboard or touch the
     disk. ``log_hyperparams`` records the hparams plugin data with ``hp_metric`` (-1 until logged) when
-    ``default_hp_metric``. Extra keyword arguments go to ``SummaryWriter``. ImportError naming the extra
-    when tensorboard is missing.
+    ``default_hp_metric``. ``~`` and ``$VARS`` in ``root_dir`` are expanded in the log directory and where
+    existing versions are looked for. Extra keyword arguments go to ``SummaryWriter``. ImportError naming the
+    extra when tensorboard is missing.
     """
 
     LOGGER_JOIN_CHAR = "-"
@@ -35,6 +38,14 @@ class TensorBoardLogger(VersionedLogger):
         return self._sub_dir
 
     @property
+    def log_dir(self) -> str:
+        """``<root_dir>/<name>/version_<n>[/<sub_dir>]`` with ``~`` and ``$VARS`` expanded (as Lightning's)."""
+        return _expand(super().log_dir)
+
+    def _versions_root(self) -> str:
+        return _expand(super()._versions_root())
+
+    @property
     def experiment(self) -> Any:
         """The ``SummaryWriter`` (created on first access) on global rank 0; on every other rank a
         ``DummyExperiment`` that accepts any call and does nothing (as Lightning's)."""
@@ -46,25 +57,36 @@ class TensorBoardLogger(VersionedLogger):
             except ImportError as err:
                 raise ImportError("TensorBoardLogger needs the tensorboard package: pip install "
                                   "'fabriclite[tensorboard]' (or pip install tensorboard).") from err
-            os.makedirs(self._root_dir, exist_ok=True)
+            if self._root_dir:
+                os.makedirs(_expand(self._root_dir), exist_ok=True)
             self._experiment = SummaryWriter(log_dir=self.log_dir, **self._kwargs)
         return self._experiment
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, Any], step: Optional[int] = None) -> None:
         for key, value in add_prefix(metrics, self._prefix, self.LOGGER_JOIN_CHAR).items():
-            if isinstance(value, Mapping):
-                self.experiment.add_scalars(key, {k: to_scalar(v) for k, v in value.items()}, step)
-            else:
-                self.experiment.add_scalar(key, to_scalar(value), step)
+            value = to_scalar(value)
+            if isinstance(value, dict):
+                self.experiment.add_scalars(key, value, step)
+                continue
+            try:
+                self.experiment.add_scalar(key, value, step)
+            except Exception as err:  # noqa: BLE001 -- Lightning's rule: any failure to record is a ValueError
+                raise ValueError(f"TensorBoardLogger.log_metrics: {key}={value!r} cannot be logged as a scalar; "
+                                 "log a number, a one-element tensor or a dict of them.") from err
 
     @rank_zero_only
-    def log_hyperparams(self, params: Union[Dict[str, Any], Namespace], metrics: Optional[Dict[str, Any]] = None,
-                        step: Optional[int] = None) -> None:
+    def log_hyperparams(self, params: Union[Dict[str, Any], Namespace, None],
+                        metrics: Optional[Dict[str, Any]] = None, step: Optional[int] = None) -> None:
+        """Record ``params`` (flattened; values TensorBoard cannot show, such as classes, arrays, lists and tensors
+        of more than one dimension, as their text, as Lightning does; a 0-dim tensor as its number) with ``metrics``
+        (default ``hp_metric``: -1 when ``default_hp_metric``; nothing is recorded without metrics)."""
         from torch.utils.tensorboard.summary import hparams
 
-        flat = {k: v if isinstance(v, (int, float, str, bool, Tensor)) else str(v)
-                for k, v in params_to_dict(params).items()}
+        flat = sanitize_params(params_to_dict(params))
+        # more than one dimension: its text (Lightning's rule); no dimension: its number (torch's hparams would fail)
+        flat = {k: str(v) if getattr(v, "ndim", 0) > 1 else v.item() if isinstance(v, Tensor) and v.ndim == 0 else v
+                for k, v in flat.items()}
         if metrics is None:
             metrics = {"hp_metric": -1} if self._default_hp_metric else None
         elif not isinstance(metrics, dict):
@@ -77,15 +99,29 @@ class TensorBoardLogger(VersionedLogger):
             writer.add_summary(summary, step)
 
     @rank_zero_only
-    def log_graph(self, model: Any, input_array: Optional[Tensor] = None) -> None:
+    def log_graph(self, model: Any, input_array: Optional[Any] = None) -> None:
+        """Record ``model``'s graph traced with ``input_array`` (default: ``model.example_input_array``): a tensor
+        or a tuple of ``forward``'s positional arguments. Without one, or with another type, a warning says why
+        and nothing is recorded (as Lightning)."""
         from fabriclite.training.wrapping import FabricModule
 
+        input_array = getattr(model, "example_input_array", None) if input_array is None else input_array
         if isinstance(model, FabricModule):
             model = model.module
-        input_array = getattr(model, "example_input_array", None) if input_array is None else input_array
         if input_array is None:
-            raise ValueError("log_graph(model): pass input_array (or set model.example_input_array).")
-        self.experiment.add_graph(model, input_array)
+            warnings.warn("Could not log computational graph to TensorBoard: The `model.example_input_array` "
+                          "attribute is not set or `input_array` was not given.", stacklevel=3)
+        elif not isinstance(input_array, (Tensor, tuple)):
+            warnings.warn("Could not log computational graph to TensorBoard: The `input_array` or "
+                          f"`model.example_input_array` has type {type(input_array)} which can't be traced by "
+                          "TensorBoard. Make the input array a tuple representing the positional arguments to the "
+                          "model's `forward()` implementation.", stacklevel=3)
+        else:
+            before, transfer = (getattr(model, n, None) for n in ("_on_before_batch_transfer",
+                                                                   "_apply_batch_transfer_handler"))
+            if callable(before) and callable(transfer):  # a LightningModule: its batch hooks, as Lightning
+                input_array = transfer(before(input_array))
+            self.experiment.add_graph(model, input_array)
 
     @rank_zero_only
     def save(self) -> None:
@@ -103,3 +139,7 @@ class TensorBoardLogger(VersionedLogger):
         state = self.__dict__.copy()
         state["_experiment"] = None  # a SummaryWriter does not pickle (spawned ranks make their own)
         return state
+
+
+def _expand(path: str) -> str:
+    return os.path.expanduser(os.path.expandvars(path))

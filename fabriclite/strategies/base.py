@@ -136,11 +136,14 @@ class Strategy(ABC):
         device = device or self.root_device
         return apply_to_collection(batch, Tensor, lambda t: t.to(device, non_blocking=True))
 
-    def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer]
-                                    ) -> Tuple[nn.Module, List[Optimizer]]:
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer],
+                                    scheduler: Optional[Any] = None
+                                    ) -> Tuple[nn.Module, List[Optimizer], Optional[Any]]:
         """Wrap ``module`` (already on the device) and its optimizers together; strategies that must see
-        both at once (XLA, sharded ones) override this. Default: ``setup_module`` + ``setup_optimizer``."""
-        return self.setup_module(module), [self.setup_optimizer(opt) for opt in optimizers]
+        both at once (XLA, sharded ones) override this. Default: ``setup_module`` + ``setup_optimizer``.
+        Returns ``(module, optimizers, scheduler)``: the scheduler passes through unchanged (as Lightning's
+        non-DeepSpeed strategies)."""
+        return self.setup_module(module), [self.setup_optimizer(opt) for opt in optimizers], scheduler
 
     def module_init_context(self, empty_init: Optional[bool] = None) -> ContextManager:
         """Modules built inside get their parameters on this rank's device, in the precision's dtype, and

@@ -49,15 +49,16 @@ class ShardedStrategy(DDPStrategy):
 
         return module_init_context(torch.device("meta"), self.precision.module_init_context(), False)
 
-    def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer]
-                                    ) -> Tuple[nn.Module, List[Optimizer]]:
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer],
+                                    scheduler: Optional[Any] = None
+                                    ) -> Tuple[nn.Module, List[Optimizer], Optional[Any]]:
         """Shard ``module``; optimizers built from it before are re-pointed at the sharded parameters (same order).
-        ValueError for an optimizer that holds state already."""
+        ValueError for an optimizer that holds state already. The scheduler passes through unchanged."""
         sharding.check_repointable(optimizers)
         names = sharding.parameter_names(module)
         module = self.setup_module(module)
         sharding.repoint(optimizers, names, module)
-        return module, optimizers
+        return module, optimizers, scheduler
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         return optimizer

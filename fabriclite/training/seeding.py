@@ -14,6 +14,8 @@ from typing import List, Optional
 
 import torch
 
+from fabriclite.environments.process_rank import current_rank, rank_from_env
+
 log = logging.getLogger(__name__)
 SEED_ENV = "PL_GLOBAL_SEED"
 SEED_WORKERS_ENV = "PL_SEED_WORKERS"
@@ -23,16 +25,17 @@ _MAX_SEED = 2**32 - 1
 def seed_everything(seed: Optional[int] = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed python's ``random``, numpy and torch (all devices) with ``seed`` and return it.
 
-    ``seed=None`` reads ``$PL_GLOBAL_SEED`` (0 with a warning when unset). ``workers=True`` makes
-    ``setup_dataloaders`` add ``worker_init_fn`` to loaders that have none, so that worker ``w`` of rank
-    ``r`` gets seeds that differ across (rank, worker) and repeat run after run. The distributed sampler's
+    ``seed=None`` reads ``$PL_GLOBAL_SEED`` (0 when unset, with a warning on rank 0 when ``verbose``).
+    ``workers=True`` makes ``setup_dataloaders`` add ``worker_init_fn`` to loaders that have none, so that worker
+    ``w`` of rank ``r`` gets seeds that differ across (rank, worker) and repeat run after run. The distributed sampler's
     shuffling seed is this seed too. ValueError for a seed outside 0 .. 2**32-1.
     """
     if seed is None:
         raw = os.environ.get(SEED_ENV)
         if raw is None:
-            warnings.warn("seed_everything(): no seed given and $PL_GLOBAL_SEED is unset; using 0.", stacklevel=2)
             seed = 0
+            if verbose and current_rank() == 0:  # Lightning's rank_zero_warn, its message
+                warnings.warn(f"No seed found, seed set to {seed}", stacklevel=2)
         else:
             try:
                 seed = int(raw)
@@ -46,7 +49,8 @@ def seed_everything(seed: Optional[int] = None, workers: bool = False, verbose: 
     if not 0 <= seed <= _MAX_SEED:
         raise ValueError(f"seed={seed} is out of range; expected an integer in 0..{_MAX_SEED} (numpy's limit).")
     if verbose:
-        log.info("Seed set to %d", seed)
+        env_rank = rank_from_env()  # Lightning's message: "[rank: r] " when the environment names a rank
+        log.info("%sSeed set to %d", "" if env_rank is None else f"[rank: {env_rank}] ", seed)
     os.environ[SEED_ENV] = str(seed)
     os.environ[SEED_WORKERS_ENV] = str(int(bool(workers)))
     random.seed(seed)

@@ -10,6 +10,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Union
 
 import torch
 
+from fabriclite.accelerators.peak_flops import get_available_flops
+
 Metrics = Dict[str, Union[int, float]]
 
 
@@ -111,17 +113,22 @@ class Throughput:
 class ThroughputMonitor(Throughput):
     """``Throughput`` for a Fabric: its world size, and ``compute_and_log(step=None)`` logs the metrics through
     ``fabric.log_dict`` (the step counts calls unless given). Updates and computations happen on global rank 0;
-    elsewhere they do nothing and return ``{}``. ``available_flops`` (one device's peak FLOPs) enables
-    ``device/mfu``; unlike Lightning there is no table of chips' peaks to look it up from."""
+    elsewhere they do nothing and return ``{}``. ``device/mfu`` uses the device's peak FLOP/s for the precision's
+    compute dtype, looked up as Lightning does (fabriclite.accelerators.peak_flops; none on CPU);
+    ``available_flops=`` (fabriclite only) gives it yourself."""
 
     def __init__(self, fabric: Any, **kwargs: Any) -> None:
+        if "available_flops" not in kwargs:
+            kwargs["available_flops"] = get_available_flops(
+                fabric.device, compute_dtype(fabric.strategy.precision)) if fabric.is_global_zero else None
         super().__init__(world_size=fabric.world_size, **kwargs)
         self._fabric = fabric
         self.step = -1
 
-    def update(self, **kwargs: Any) -> None:  # type: ignore[override]
+    def update(self, *, time: float, batches: int, samples: int, lengths: Optional[int] = None,
+               flops: Optional[int] = None) -> None:
         if self._fabric.is_global_zero:
-            super().update(**kwargs)
+            super().update(time=time, batches=batches, samples=samples, lengths=lengths, flops=flops)
 
     def compute(self) -> Metrics:
         return super().compute() if self._fabric.is_global_zero else {}
@@ -140,6 +147,12 @@ class ThroughputMonitor(Throughput):
             super().reset()
 
 
+def compute_dtype(precision: Any) -> torch.dtype:
+    """The dtype a precision plugin computes in (what its peak FLOP/s are looked up for): its input dtype (mixed and
+    true modes), else float32."""
+    return getattr(precision, "input_dtype", None) or torch.float32
+
+
 def measure_flops(model: torch.nn.Module, forward_fn: Callable[[], torch.Tensor],
                   loss_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> int:
     """FLOPs of ``forward_fn()`` (which runs ``model``), plus ``loss_fn(output).backward()`` when ``loss_fn`` is
@@ -155,4 +168,4 @@ def measure_flops(model: torch.nn.Module, forward_fn: Callable[[], torch.Tensor]
     return counter.get_total_flops()
 
 
-__all__: List[str] = ["Throughput", "ThroughputMonitor", "measure_flops"]
+__all__: List[str] = ["Throughput", "ThroughputMonitor", "get_available_flops", "measure_flops"]

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import inspect
 from types import MethodType
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
@@ -21,6 +22,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from fabriclite.checkpoint import loader_position
+from fabriclite.training import forward_methods
 from fabriclite.training.callbacks import call_hook
 from fabriclite.strategies.base import Strategy
 
@@ -84,33 +86,18 @@ class FabricModule(nn.Module):
                                  "does not exist or is not a method.")
         self._forward_methods.add(name)
 
-    def _redirect_through_forward(self, name: str) -> Callable[..., Any]:
-        original = self._original_module
-        original_forward = original.forward
-
-        def redirected(*args: Any, **kwargs: Any) -> Any:
-            original.forward = original_forward  # type: ignore[method-assign]
-            return getattr(original, name)(*args, **kwargs)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            original.forward = redirected  # type: ignore[method-assign]
-            try:
-                return self.forward(*args, **kwargs)
-            finally:
-                original.__dict__.pop("forward", None)
-
-        return call
-
     def __getattr__(self, item: str) -> Any:
         if item in ("_forward_methods", "_forward_module", "_original_module"):
             return super().__getattr__(item)
-        if item in self._forward_methods and self._forward_module is not self._original_module \
-                and hasattr(self._original_module, item):
-            return self._redirect_through_forward(item)
+        wrapped = self._forward_module is not self._original_module
+        if item in self._forward_methods and wrapped and hasattr(self._original_module, item):
+            return forward_methods.through_forward(self._original_module, item, self.forward)
         try:
             return super().__getattr__(item)
         except AttributeError:
-            return getattr(self._original_module, item)
+            attr = getattr(self._original_module, item)
+            return forward_methods.refuse_bypass(self._original_module, attr, item) \
+                if wrapped and inspect.ismethod(attr) else attr
 
     def __setattr__(self, name: str, value: Any) -> None:
         if not getattr(self, "_fabric_module_initialized", False):
@@ -155,8 +142,9 @@ class FabricOptimizer:
             call_hook(self._callbacks, "on_after_optimizer_step", strategy=self._strategy, optimizer=self._optimizer)
         return output
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, *args: Any, **kwargs: Any) -> Any:
+        """The optimizer's ``zero_grad`` with exactly the arguments given (its own defaults otherwise)."""
+        return self._optimizer.zero_grad(*args, **kwargs)
 
     def state_dict(self) -> Dict[str, Any]:
         return self._strategy.get_optimizer_state(self._optimizer)
@@ -266,10 +254,14 @@ def unwrap(obj: Any, loaders: bool = True) -> Any:
 
 # ---------------------------------------------------------------------- set-up
 def setup_module(strategy: Strategy, module: nn.Module, optimizers: Sequence[Optimizer] = (),
-                 move_to_device: bool = True, callbacks: Optional[List[Any]] = None
-                 ) -> Tuple[FabricModule, List[FabricOptimizer]]:
+                 move_to_device: bool = True, callbacks: Optional[List[Any]] = None, scheduler: Optional[Any] = None,
+                 reapply_compile: bool = True) -> Tuple[FabricModule, List[FabricOptimizer], Optional[Any]]:
     """``module`` converted to the precision, moved to the device (``move_to_device``), wrapped by the
-    strategy; and ``optimizers`` wrapped, their state moved to the parameters' device.
+    strategy; ``optimizers`` wrapped, their state moved to the parameters' device; ``scheduler`` passed through.
+
+    A ``torch.compile``d module (with ``reapply_compile``, Lightning's ``_reapply_compile``): the module inside is
+    set up (the strategy wraps the original, e.g. DDP) and the result compiled again with the same compiler
+    context (backend, mode, options); ``FabricModule.module`` and its ``state_dict()`` are the uncompiled module's.
 
     Raises ValueError for an object that was set up already, and for an optimizer holding parameters that
     are not ``module``'s (for example built from a copy of the model), saying how to fix it.
@@ -278,6 +270,9 @@ def setup_module(strategy: Strategy, module: nn.Module, optimizers: Sequence[Opt
         raise ValueError("This module was set up already; pass each module to setup()/setup_module() once.")
     if not isinstance(module, nn.Module):
         raise TypeError(f"setup() expects a torch.nn.Module first; got {type(module).__name__}.")
+    compiled = module if reapply_compile and _is_compiled(module) else None
+    if compiled is not None:
+        module = compiled._orig_mod
     for optimizer in optimizers:
         if isinstance(optimizer, FabricOptimizer):
             raise ValueError("This optimizer was set up already; pass each optimizer to setup() once.")
@@ -288,11 +283,14 @@ def setup_module(strategy: Strategy, module: nn.Module, optimizers: Sequence[Opt
     module = strategy.precision.convert_module(module)
     if move_to_device:
         module = strategy.module_to_device(module)
-    forward_module, optimizers = strategy.setup_module_and_optimizers(module, list(optimizers))
+    forward_module, optimizers, scheduler = strategy.setup_module_and_optimizers(module, list(optimizers),
+                                                                                 scheduler)
     for optimizer in optimizers:
         move_optimizer_state(optimizer)
+    if compiled is not None:
+        forward_module = compiled.dynamo_ctx(forward_module)  # torch.compile's own context, applied again
     wrapped = FabricModule(forward_module, strategy, original_module=original)
-    return wrapped, [FabricOptimizer(opt, strategy, callbacks) for opt in optimizers]
+    return wrapped, [FabricOptimizer(opt, strategy, callbacks) for opt in optimizers], scheduler
 
 
 def setup_optimizers(strategy: Strategy, optimizers: Sequence[Optimizer],
@@ -351,11 +349,13 @@ def _apply_to_tensors(data: Any, fn: Callable[[Tensor], None]) -> None:
             _apply_to_tensors(value, fn)
 
 
+def _is_compiled(obj: Any) -> bool:
+    """Whether ``obj`` is a ``torch.compile``d module (an ``OptimizedModule``; torch._dynamo is not imported)."""
+    return type(obj).__name__ == "OptimizedModule" and getattr(obj, "_orig_mod", None) is not None
+
+
 def _unwrap_compiled(obj: Any) -> Any:
-    orig = getattr(obj, "_orig_mod", None)
-    if orig is not None and type(obj).__name__ == "OptimizedModule":
-        return orig
-    return obj
+    return obj._orig_mod if _is_compiled(obj) else obj
 
 
 def set_sampler_epoch(dataloader: DataLoader, epoch: int) -> None:

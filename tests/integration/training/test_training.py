@@ -223,6 +223,9 @@ class _Net(nn.Module):
     def twice(self, x):
         return 2 * self.layer(x)
 
+    def shape_of(self, x):  # runs no submodule: passes through the wrapper as it is
+        return x.shape
+
     def training_step(self, x):
         return self.layer(x).sum()
 
@@ -236,11 +239,18 @@ def _wrappers(fabric):
         "forward_type": type(model._forward_module).__name__,
         "keys": sorted(model.state_dict()),
         "attr": model.tag,
-        "method": model.twice(torch.ones(1, 2)).shape,
+        "method": model.shape_of(torch.ones(1, 2)),
         "isinstance": isinstance(wrapped_opt, torch.optim.SGD),
         "optimizer": wrapped_opt.optimizer is opt,
         "lr": wrapped_opt.param_groups[0]["lr"],
     }
+    try:  # runs the network outside DDP's forward: refused (Lightning's RuntimeError) until marked
+        model.twice(torch.ones(1, 2))
+        out["unmarked"] = "no error"
+    except RuntimeError as err:
+        out["unmarked"] = str(err)
+    model.mark_forward_method("twice")
+    out["marked"] = model.twice(torch.ones(1, 2)).shape
     model.tag = "changed"
     out["setattr"] = net.tag
     # training_step goes through DDP's forward: its gradients are synchronised
@@ -280,6 +290,7 @@ def test_wrappers_forward_to_the_original_under_ddp(pool2):
     assert r0["module_is_original"] and r0["forward_type"] == "DistributedDataParallel"
     assert r0["keys"] == ["layer.bias", "layer.weight"]
     assert r0["attr"] == "net" and r0["method"] == (1, 2) and r0["setattr"] == "changed"
+    assert "mark_forward_method('twice')" in r0["unmarked"] and r0["marked"] == (1, 2)
     assert r0["isinstance"] and r0["optimizer"] and r0["lr"] == 0.1
     torch.testing.assert_close(r0["synced_grad"], r1["synced_grad"])
     torch.testing.assert_close(r0["synced_grad"], torch.full((2, 2), 1.5))  # mean of rank inputs 1 and 2

@@ -87,7 +87,7 @@ def test_disable_possible_user_warnings():
 
 
 def test_rank_from_env_reads_lightnings_variables_in_order(monkeypatch):
-    from fabriclite.compat.rank_zero_env import rank_from_env
+    from fabriclite.environments.process_rank import rank_from_env
 
     for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
         monkeypatch.delenv(var, raising=False)
@@ -102,17 +102,20 @@ def test_rank_from_env_reads_lightnings_variables_in_order(monkeypatch):
     assert rank_from_env() == 1
 
 
-def test_rank_zero_only_gets_its_rank_when_taken_not_on_import():
+def test_rank_zero_only_gets_its_rank_on_first_use_not_on_import():
     code = ("import sys, fabriclite\n"
             "from lightning_utilities.core.rank_zero import rank_zero_only as shared\n"
-            "print(hasattr(shared, 'rank'))\n"
             "from fabriclite.utilities import rank_zero_only\n"
-            "print(rank_zero_only is shared, rank_zero_only.rank, rank_zero_only(lambda: 'ran')(), "
-            "'lightning' in sys.modules)")
+            "from fabriclite.utilities.rank_zero import rank_zero_warn\n"
+            "print(hasattr(shared, 'rank'))\n"  # importing set nothing
+            "print(rank_zero_only(lambda: 'ran')())\n"  # first use: the rank from RANK
+            "print(shared.rank, rank_zero_only.rank)\n"
+            "shared.rank = 0\n"  # one rank for fabriclite, Lightning and lightning_utilities
+            "print(rank_zero_only.rank, 'lightning' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")}
     out = subprocess.run([sys.executable, "-c", code], env={**env, "RANK": "1"}, capture_output=True, text=True,
                          check=True).stdout.split()
-    assert out == ["False", "True", "1", "None", "False"]
+    assert out == ["False", "None", "1", "1", "0", "False"]
 
 
 def _ranks_and_shared_fs(fabric, path):

@@ -1,16 +1,21 @@
-"""API conformance against the installed Lightning Fabric (issue 12).
+"""API conformance against the installed Lightning Fabric (issues 12 and 21).
 
 For each module of ``lightning.fabric`` that users import from (the package, strategies, accelerators, plugins,
 loggers, utilities, wrappers, and plugins.environments), every public name (``__all__`` where the
 module defines it; elsewhere its non-underscore classes and functions from ``lightning.fabric``) must exist at
 the mirrored ``fabriclite`` path. For a class, so must each of its non-underscore methods and properties, and
-every function, method and ``__init__`` must take Lightning's parameters: the same names, at the same positions
-when Lightning's are positional, with the same defaults (fabriclite may add parameters after them or make
-keyword-only ones positional too); a Lightning property may be a property or an attribute every instance gets
-in ``__init__``. The exceptions are the rows of the table in docs/compat.md, which this test reads: an ``absent``
-or ``different`` row exempts its name and everything under it (a class's members); a row for a member covers the
-same member of the Lightning subclasses; ``Name(param)`` exempts one parameter. The rows are checked too: each
-names a real Lightning object, an ``absent`` one is really absent from fabriclite, the others really present.
+every public callable (function, method, ``__init__``) is compared parameter by parameter: each of Lightning's
+parameters exists in fabriclite with the same name, the same kind (positional-or-keyword, keyword-only, ...), the
+same position when it is positional and the same default; fabriclite may add parameters that have a default. A
+signature that ``inspect`` cannot read fails. A Lightning property may be a property or an attribute every instance
+gets in ``__init__``.
+
+The exceptions are the rows of the table in docs/compat.md, which this test reads: an ``absent`` row exempts its
+name and everything under it; ``Name(param)`` exempts one parameter; a ``different`` row for a callable exempts its
+whole signature only where one side takes nothing but ``*args, **kwargs``, and otherwise only what is not a
+signature (a method in Lightning that is an attribute here, a member's existence under a ``different`` class).
+A row for a member covers the same member of the Lightning subclasses. The rows are checked too: each names a real
+Lightning object, an ``absent`` one is really absent from fabriclite, the others really present.
 """
 from __future__ import annotations
 
@@ -89,10 +94,10 @@ def public_names(module_name: str) -> List[str]:
 
 def members(cls: type) -> Iterator[Tuple[str, Any]]:
     """``(name, raw attribute)`` for a class's non-underscore methods and properties (inherited ones
-    included) and ``__init__``."""
+    included, except those of builtin bases such as ``str``) and ``__init__``."""
     seen = set()
     for klass in cls.__mro__:
-        if klass is object:
+        if klass is object or klass.__module__ == "builtins":  # str's methods (StrEnum) are not Lightning's surface
             continue
         for name, value in vars(klass).items():
             if name in seen or (name.startswith("_") and name != "__init__"):
@@ -155,8 +160,8 @@ def signature_problems(path: str, theirs: Any, ours: Any, exempt: Set[str]) -> L
     (their_fn, their_bound), (our_fn, our_bound) = _callable_of(theirs), _callable_of(ours)
     try:
         their_sig, our_sig = inspect.signature(their_fn), inspect.signature(our_fn)
-    except (TypeError, ValueError):
-        return []  # a builtin without a signature: nothing to compare
+    except (TypeError, ValueError) as err:
+        return [f"{path}: signature unreadable ({type(err).__name__}: {err}); give it a Python signature"]
     their_params = list(their_sig.parameters.values())[1 if their_bound else 0:]
     our_params = list(our_sig.parameters.values())[1 if our_bound else 0:]
     ours_by_name = {p.name: (i, p) for i, p in enumerate(our_params)}
@@ -177,11 +182,11 @@ def signature_problems(path: str, theirs: Any, ours: Any, exempt: Set[str]) -> L
             problems.append(f"{where}: missing in fabriclite")
             continue
         our_index, ours_p = ours_by_name[param.name]
-        if param.kind in _POSITIONAL and (our_index != index or ours_p.kind not in _POSITIONAL):
-            problems.append(f"{where}: Lightning's positional parameter {index}; fabriclite's is "
-                            f"{ours_p.kind.description} at {our_index}")
-        if param.kind is not inspect.Parameter.POSITIONAL_ONLY and ours_p.kind is inspect.Parameter.POSITIONAL_ONLY:
-            problems.append(f"{where}: positional-only in fabriclite, Lightning accepts it by keyword")
+        if ours_p.kind is not param.kind:
+            problems.append(f"{where}: {param.kind.description} in Lightning, {ours_p.kind.description} in "
+                            "fabriclite")
+        elif param.kind in _POSITIONAL and our_index != index:
+            problems.append(f"{where}: Lightning's positional parameter {index}; fabriclite's is at {our_index}")
         if param.default is _EMPTY:
             continue
         if ours_p.default is _EMPTY:
@@ -194,6 +199,18 @@ def signature_problems(path: str, theirs: Any, ours: Any, exempt: Set[str]) -> L
                 inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             problems.append(f"{path}({ours_p.name}): fabriclite requires a parameter Lightning does not have")
     return problems
+
+
+def only_var_args(fn: Any) -> bool:
+    """Whether ``fn`` (a raw class attribute or a function) takes nothing but ``*args`` / ``**kwargs`` (besides
+    ``self``): the one case where a row may exempt a whole signature."""
+    func, bound = _callable_of(fn)
+    try:
+        params = list(inspect.signature(func).parameters.values())[1 if bound else 0:]
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and all(p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+                                for p in params)
 
 
 def exempt_params(table: Dict[str, Tuple[str, str, str]], paths: List[str]) -> Set[str]:
@@ -260,7 +277,7 @@ def class_problems(prefix: str, cls: type, ours: type, table: Dict[str, Tuple[st
     for name, raw in members(cls):
         paths = [f"{b}.{name}" for b in bases]
         status = row(table, paths)
-        if status in ("absent", "different"):
+        if status == "absent":
             continue
         if name == "__init__" and raw is object.__init__:
             continue
@@ -271,9 +288,12 @@ def class_problems(prefix: str, cls: type, ours: type, table: Dict[str, Tuple[st
             problems.append(f"{paths[0]}: missing in fabriclite")
             continue
         if _kind(raw) != _kind(mine) and not (_kind(raw) == "property" and _kind(mine) == "attribute"):
-            problems.append(f"{paths[0]}: a {_kind(raw)} in Lightning, a {_kind(mine)} in fabriclite")
+            if status != "different":
+                problems.append(f"{paths[0]}: a {_kind(raw)} in Lightning, a {_kind(mine)} in fabriclite")
             continue
         if _kind(raw) == "method":
+            if status == "different" and (only_var_args(raw) or only_var_args(mine)):
+                continue
             problems += signature_problems(paths[0], raw, mine, exempt_params(table, paths))
     return problems
 
@@ -306,14 +326,16 @@ def name_problems(module_name: str, name: str, table: Dict[str, Tuple[str, str, 
     if home != path:  # the same object as at its home path, which is compared there
         mine = resolve(home_module, home_name)
         return [] if ours is mine else [f"{path}: not the same object as fabriclite's {home}"]
-    if status == "different":
-        return []
     if inspect.isclass(theirs):
         return class_problems(prefix, theirs, ours, table)
     if callable(theirs):
         if not callable(ours):
-            return [f"{path}: callable in Lightning, a {type(ours).__name__} in fabriclite"]
-        return signature_problems(path, theirs, ours, exempt_params(table, [path]))
+            return [] if status == "different" else [
+                f"{path}: callable in Lightning, a {type(ours).__name__} in fabriclite"]
+        if status == "different" and (only_var_args(staticmethod(theirs)) or only_var_args(staticmethod(ours))):
+            return []
+        # a module-level function has no self: compare from its first parameter
+        return signature_problems(path, staticmethod(theirs), staticmethod(ours), exempt_params(table, [path]))
     return []
 
 
@@ -451,8 +473,37 @@ def test_signature_comparison_catches_each_kind_of_gap() -> None:
     assert signature_problems("f", theirs, renamed, {"b"}) == []
     assert any("(a): Lightning's positional parameter 0" in p for p in signature_problems("f", theirs, moved, set()))
     assert any("default 1" in p for p in signature_problems("f", theirs, default, set()))
-    assert len(signature_problems("f", theirs, no_var, set())) == 2
+    assert len(signature_problems("f", theirs, no_var, set())) == 3  # no *args, no **kwargs, c not keyword-only
     assert any("(e): fabriclite requires" in p for p in signature_problems("f", theirs, extra_required, set()))
+
+    def keyword_only(self, *, a, b=1): ...  # noqa: E704
+    def positional(self, a, b=1): ...  # noqa: E704
+    assert signature_problems("f", keyword_only, positional, set()) == [
+        "f(a): keyword-only in Lightning, positional or keyword in fabriclite",
+        "f(b): keyword-only in Lightning, positional or keyword in fabriclite"]
+    assert signature_problems("f", positional, keyword_only, set())  # and the other way round
+    assert any("signature unreadable" in p for p in signature_problems("f", theirs, str.maketrans, set()))
+
+    def var_only(self, *args, **kwargs): ...  # noqa: E704
+    assert only_var_args(var_only) and not only_var_args(theirs) and not only_var_args(positional)
+
+
+def test_a_different_row_exempts_a_signature_only_against_var_args() -> None:
+    """A class member whose row is `different` is still compared parameter by parameter, unless one side takes
+    nothing but ``*args, **kwargs``; a `different` class row does not exempt its members."""
+    class Theirs:
+        def step(self, a, b=1): ...  # noqa: E704
+        def barrier(self, *args, **kwargs): ...  # noqa: E704
+
+    class Ours:
+        def step(self, a, b=2): ...  # noqa: E704
+        def barrier(self, name=None): ...  # noqa: E704
+
+    different = {"x.Theirs.step": ("different", "why", "—"), "x.Theirs.barrier": ("different", "why", "—"),
+                 "x.Theirs": ("different", "why", "—")}
+    assert class_problems("x.", Theirs, Ours, different) == ["x.Theirs.step(b): Lightning's default 1; fabriclite's 2"]
+    assert class_problems("x.", Theirs, Ours, {**different, "x.Theirs.step(b)": ("different", "w", "—")}) == []
+    assert len(class_problems("x.", Theirs, Ours, {})) == 3  # without rows: the default and both var arguments
 
 
 if __name__ == "__main__":  # a report of every gap: python tests/unit/compat/test_conformance.py

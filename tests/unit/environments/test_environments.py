@@ -1,6 +1,7 @@
 """Cluster environments: detection from real launcher variables, ranks, addresses, forcing, cross-checks."""
 
 import os
+import warnings
 import socket
 import subprocess
 import sys
@@ -167,8 +168,18 @@ def test_torchelastic_needs_all_its_variables(clean_env: pytest.MonkeyPatch) -> 
     assert not TorchElasticEnvironment.detect()
     _torchrun_vars(clean_env)
     clean_env.delenv("MASTER_ADDR")
-    with pytest.raises(ValueError, match="MASTER_ADDR"):
-        TorchElasticEnvironment().main_address
+    clean_env.delenv("MASTER_PORT")
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    clean_env.setattr(rank_zero_only, "rank", 0, raising=False)  # what the strategy sets on global rank 0
+    with pytest.warns(UserWarning, match="MASTER_ADDR environment variable is not defined"):  # Lightning's default
+        assert TorchElasticEnvironment().main_address == "127.0.0.1"
+    with pytest.warns(UserWarning, match="MASTER_PORT environment variable is not defined"):
+        assert TorchElasticEnvironment().main_port == 12910
+    clean_env.setattr(rank_zero_only, "rank", 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the other ranks stay quiet (Lightning's rank_zero_warn)
+        assert TorchElasticEnvironment().main_address == "127.0.0.1"
 
 
 def test_torchrun_inside_slurm_is_not_a_conflict(clean_env: pytest.MonkeyPatch) -> None:
@@ -330,11 +341,14 @@ def test_lsf_detected_from_rankfile(clean_env: pytest.MonkeyPatch, tmp_path: Pat
     assert env.num_nodes() == 2
 
 
-def test_lsf_hosts_variable_and_unknown_host(clean_env: pytest.MonkeyPatch) -> None:
-    setenv(
-        clean_env, LSB_JOBID=5, LSB_HOSTS="launch hostA hostA hostB", JSM_NAMESPACE_SIZE=2, JSM_NAMESPACE_RANK=0,
-        JSM_NAMESPACE_LOCAL_RANK=0,
-    )
+def test_lsf_needs_the_rankfile_and_names_an_unknown_host(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    setenv(clean_env, LSB_JOBID=5, LSB_HOSTS="launch hostA hostA hostB", JSM_NAMESPACE_SIZE=2, JSM_NAMESPACE_RANK=0,
+           JSM_NAMESPACE_LOCAL_RANK=0)
+    assert not LSFEnvironment.detect()  # Lightning's rule: LSB_DJOB_RANKFILE is required (LSB_HOSTS is not read)
+    rankfile = tmp_path / "rankfile"
+    rankfile.write_text("launch\nhostA\nhostA\nhostB\n")
+    clean_env.setenv("LSB_DJOB_RANKFILE", str(rankfile))
+    assert LSFEnvironment.detect()
     env = LSFEnvironment()
     assert env.main_address == "hostA" and env.main_port == 10005
     with pytest.raises(ValueError, match=r"cannot find this host .* among the job's hosts \['hostA', 'hostB'\]"):

@@ -35,10 +35,12 @@ def _step(fabric: Fabric):
     return out, loss, next(model.parameters()).dtype, changed
 
 
+#: (precision, parameter dtype, output dtype): floating outputs come back in the default dtype in every mode that
+#: casts inputs (Lightning's plugins: convert_output), so the output is float32 throughout
 CPU_PRECISIONS = [
-    ("32-true", torch.float32, torch.float32), ("64-true", torch.float64, torch.float64),
-    ("bf16-mixed", torch.float32, torch.float32), ("16-true", torch.float16, torch.float16),
-    ("bf16-true", torch.bfloat16, torch.bfloat16), (32, torch.float32, torch.float32),
+    ("32-true", torch.float32, torch.float32), ("64-true", torch.float64, torch.float32),
+    ("bf16-mixed", torch.float32, torch.float32), ("16-true", torch.float16, torch.float32),
+    ("bf16-true", torch.bfloat16, torch.float32), (32, torch.float32, torch.float32),
     ("bf16", torch.float32, torch.float32),
 ]
 
