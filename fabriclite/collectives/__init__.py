@@ -19,23 +19,31 @@ collection of them (dict / OrderedDict / defaultdict / any Mapping, list, tuple,
 - Errors after data has started moving (a collective timeout, a lost peer) are fatal for the process group:
   the strategy raises them and every later collective fails; end and restart the job.
 
+Each call runs as one pipeline, one stage per module, each module entered once, the data passing each once:
+flatten (structure.py: the leaves, the structure and its spec, cached) -> plan (plans.py, cached) -> pack
+(packing.py) -> agree (header.py: the header exchange, which carries small data) -> wire (header.py: the data
+that did not fit, in one more collective) -> unpack -> rebuild (unpacking.py). The pipelines are the functions
+below; barrier and rank_zero_first are in sync.py.
+
 May import: ``distributed`` only (never a strategy: ``state.Strategy`` is a Protocol naming the
-primitives used). Entry points: ``all_reduce``, ``all_gather``, ``broadcast``, ``reduce``, ``gather``, ``barrier``,
-``rank_zero_first``.
+primitives used).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Any, Iterator, List, Optional
 
-from fabriclite.collectives import broadcasting as _broadcast
-from fabriclite.collectives import gathering as _gather
-from fabriclite.collectives import header as _header
-from fabriclite.collectives import reduction as _reduce
-from fabriclite.collectives import sync as _sync
-from fabriclite.collectives.header import CollectiveMismatchError
-from fabriclite.collectives.state import Strategy, context
+import torch
+
+from fabriclite.collectives import sync
+from fabriclite.collectives.header import (ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, REDUCE, Call,
+                                           CollectiveMismatchError, agree, fail, wire_message, wire_reduce, wire_rows)
+from fabriclite.collectives.packing import begin, pack_message, pack_reduce, pack_row
+from fabriclite.collectives.plans import plan_gather, plan_reduce, tag
+from fabriclite.collectives.state import Context, Strategy, context
+from fabriclite.collectives.structure import take_apart
 from fabriclite.collectives.sync import RankZeroFailed
+from fabriclite.collectives.unpacking import gathered, gathered_per_rank, reduced, unpickled
 
 __all__ = ["CollectiveMismatchError", "RankZeroFailed", "all_gather", "all_reduce", "barrier", "broadcast",
            "gather", "rank_zero_first", "reduce"]
@@ -44,7 +52,7 @@ __all__ = ["CollectiveMismatchError", "RankZeroFailed", "all_gather", "all_reduc
 def barrier(strategy: Strategy, name: Optional[str] = None, group: Any = None, check: bool = True) -> None:
     """Return once every rank of ``group`` (default: all) has called barrier. ``name`` is informational.
     Raises CollectiveMismatchError on every rank when another rank called a different collective here."""
-    _sync.barrier(context(strategy, group), name, check)
+    sync.barrier(context(strategy, group), name, check)
 
 
 def broadcast(strategy: Strategy, obj: Any, src: int = 0, group: Any = None, check: bool = True) -> Any:
@@ -56,7 +64,23 @@ def broadcast(strategy: Strategy, obj: Any, src: int = 0, group: Any = None, che
     ranks passing different ``src`` a CollectiveMismatchError.
     """
     ctx = context(strategy, group)
-    return _broadcast.broadcast(ctx, obj, src, check)
+    if ctx.size == 1:
+        ctx.member_index(src, f"src={src}")
+        return obj
+    call = Call(BROADCAST, root=src)
+    with torch.no_grad():
+        words = None
+        try:
+            src_index = ctx.member_index(src, f"src={src}")
+            words = begin(ctx) if check else None
+            msg = pack_message(ctx, obj, ctx.index == src_index, words)                      # pack
+        except Exception as err:  # on one rank only, maybe: every rank must hear of it
+            if not check:
+                raise
+            fail(ctx, begin(ctx), call, err)
+        lows = None if words is None else agree(ctx, words, tag(ctx, call), msg.low, call)  # agree
+        got = wire_message(ctx, msg, src, src_index, words, lows)                              # wire
+        return obj if got is None else unpickled(*got)                                        # unpack
 
 
 def all_gather(strategy: Strategy, data: Any, group: Any = None, sync_grads: bool = False, cat: bool = False,
@@ -75,7 +99,23 @@ def all_gather(strategy: Strategy, data: Any, group: Any = None, sync_grads: boo
       rank's inputs (every rank must run the backward).
     """
     ctx = context(strategy, group)
-    return _gather.all_gather(ctx, data, sync_grads, cat, check)
+    mode = "cat" if cat else "stack"
+    call = Call(ALL_GATHER, flags=FLAG_CAT if cat else 0)
+    with torch.no_grad():
+        words = None
+        try:
+            tree, leaves, spec = take_apart(ctx.state.specs, data, mode)                    # flatten
+            plan = plan_gather(ctx, spec, mode, call)                                          # plan
+            if ctx.size > 1 and (check or not plan.layout.fixed_only):
+                words = begin(ctx)
+            row = pack_row(ctx, plan, leaves, words)                                           # pack
+        except Exception as err:  # on one rank only, maybe: every rank must hear of it
+            if ctx.size == 1 or not check:
+                raise
+            fail(ctx, begin(ctx), call, err)
+        lows = None if words is None else agree(ctx, words, plan.tag, row.low, plan.call, plan.lines, plan.hint)
+        got = wire_rows(ctx, plan, row, words, lows)                                           # agree, wire
+    return gathered(ctx, spec, plan, leaves, got, tree, data, sync_grads)                     # unpack, rebuild
 
 
 def all_reduce(strategy: Strategy, data: Any, group: Any = None, reduce_op: Any = "mean",
@@ -98,8 +138,7 @@ def all_reduce(strategy: Strategy, data: Any, group: Any = None, reduce_op: Any 
     tensor, the sum of a bool tensor) cannot be reduced in place: ValueError (CollectiveMismatchError on
     every rank), raised before any data moves, and no tensor is changed then.
     """
-    ctx = context(strategy, group)
-    return _reduce.run(ctx, data, reduce_op, check, inplace=inplace)
+    return _reduce(context(strategy, group), data, reduce_op, check, ALL_REDUCE, None, inplace)
 
 
 def gather(strategy: Strategy, data: Any, dst: int = 0, group: Any = None) -> Optional[List[Any]]:
@@ -110,7 +149,25 @@ def gather(strategy: Strategy, data: Any, dst: int = 0, group: Any = None) -> Op
     Built on all_gather (no gather primitive is assumed), so every rank moves every rank's data.
     """
     ctx = context(strategy, group)
-    return _gather.gather(ctx, data, dst)
+    call = Call(GATHER, root=dst)
+    with torch.no_grad():
+        words = None
+        try:
+            ctx.member_index(dst, f"dst={dst}")
+            tree, leaves, spec = take_apart(ctx.state.specs, data, "gather")                # flatten
+            plan = plan_gather(ctx, spec, "gather", call)                                      # plan
+            words = begin(ctx) if ctx.size > 1 else None
+            row = pack_row(ctx, plan, leaves, words)                                           # pack
+        except Exception as err:  # on one rank only, maybe: every rank must hear of it
+            if ctx.size == 1:
+                raise
+            fail(ctx, begin(ctx), call, err)
+        lows = None if words is None else agree(ctx, words, plan.tag, row.low, plan.call, plan.lines)
+        got = wire_rows(ctx, plan, row, words, lows)                                           # agree, wire
+        if ctx.strategy.global_rank != dst:
+            return None
+    assert got.rows is not None
+    return gathered_per_rank(spec, plan.layout, leaves, got.rows, tree, data)                 # unpack, rebuild
 
 
 def reduce(strategy: Strategy, data: Any, dst: int = 0, reduce_op: Any = "mean", group: Any = None,
@@ -118,8 +175,7 @@ def reduce(strategy: Strategy, data: Any, dst: int = 0, reduce_op: Any = "mean",
     """``all_reduce``'s result on global rank ``dst``; None on the other ranks (the reduction itself is
     an all_reduce: every rank computes it). ``inplace=True`` as for ``all_reduce``; every rank's tensors
     then hold the result."""
-    ctx = context(strategy, group)
-    return _reduce.run(ctx, data, reduce_op, check, kind=_header.REDUCE, dst=dst, inplace=inplace)
+    return _reduce(context(strategy, group), data, reduce_op, check, REDUCE, dst, inplace)
 
 
 @contextmanager
@@ -129,5 +185,40 @@ def rank_zero_first(strategy: Strategy, local: bool = False) -> Iterator[None]:
     raises, the waiting ranks raise RankZeroFailed naming rank 0's error instead of running the block
     or hanging. Uses the job's store (no process group is created per call); without a store, rank 0
     broadcasts its outcome (then the collective timeout bounds the wait, and ``local`` acts as global)."""
-    with _sync.rank_zero_first(strategy, local):
+    with sync.rank_zero_first(strategy, local):
         yield
+
+
+#: autograd off and on again without a context manager object per call
+_set_grad = getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
+
+
+def _reduce(ctx: Context, data: Any, reduce_op: Any, check: bool, kind: int, dst: Optional[int],
+            inplace: bool) -> Any:
+    """all_reduce (``kind`` ALL_REDUCE) or reduce (REDUCE: the result on global rank ``dst`` only, None
+    elsewhere), without autograd: results are not differentiable; in-place writes into tensors that require
+    grad are allowed."""
+    grad = torch.is_grad_enabled()
+    if grad:
+        _set_grad(False)
+    try:
+        checked = check and ctx.size > 1
+        words = begin(ctx) if checked else None
+        try:
+            tree, leaves, spec = take_apart(ctx.state.specs, data, "reduce")                   # flatten
+            plan = plan_reduce(ctx, spec, reduce_op, kind, dst, inplace)                          # plan
+            packed = pack_reduce(ctx, plan, leaves, words)                                        # pack
+        except Exception as err:  # on one rank only, maybe: every rank must hear of it
+            if not checked:
+                raise
+            fail(ctx, begin(ctx), Call(kind, root=-1 if dst is None else dst), err)
+        if words is not None:
+            agree(ctx, words, plan.tag, packed.low, plan.call, plan.lines)                        # agree
+        keep = dst is None or ctx.ranks[ctx.index] == dst
+        wired = wire_reduce(ctx, plan, packed, words, finish=keep or inplace)                     # wire
+        if not keep and not inplace:
+            return None
+        return reduced(ctx, plan, leaves, wired, tree, data, keep)                                # unpack, rebuild
+    finally:
+        if grad:
+            _set_grad(True)

@@ -7,7 +7,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Tuple
 import torch
 from torch import Tensor
 
-from fabriclite.collectives.spec import SpecCache
+from fabriclite.collectives.structure import SpecCache
 
 _ATTR = "_fabriclite_collectives"
 
