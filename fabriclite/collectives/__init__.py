@@ -36,10 +36,10 @@ from typing import Any, Iterator, List, Optional
 import torch
 
 from fabriclite.collectives import sync
-from fabriclite.collectives.header import (ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, REDUCE, Call,
-                                           CollectiveMismatchError, agree, fail, wire_message, wire_reduce, wire_rows)
+from fabriclite.collectives.header import CollectiveMismatchError, agree, fail, wire_message, wire_reduce, wire_rows
 from fabriclite.collectives.packing import begin, pack_message, pack_reduce, pack_row
-from fabriclite.collectives.plans import plan_gather, plan_reduce, tag
+from fabriclite.collectives.plans import (ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, REDUCE, Call, plan_gather,
+                                          plan_reduce, tag)
 from fabriclite.collectives.state import Context, Strategy, context
 from fabriclite.collectives.structure import take_apart
 from fabriclite.collectives.sync import RankZeroFailed

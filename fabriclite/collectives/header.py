@@ -23,7 +23,6 @@ same ``CollectiveMismatchError``, and the group stays usable. Two different call
 from __future__ import annotations
 
 import functools
-import struct
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, NoReturn, Optional, Tuple
 
 import numpy as np
@@ -31,6 +30,7 @@ import torch
 from torch import Tensor
 
 from fabriclite.collectives.ops import BITWISE_OPS, OP_NAMES
+from fabriclite.collectives.plans import ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, KIND_NAMES, REDUCE, Call
 from fabriclite.collectives.state import Context
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,39 +38,21 @@ if TYPE_CHECKING:  # pragma: no cover
     from fabriclite.collectives.plans import Bucket, GatherPlan, Plan
     from fabriclite.collectives.unpacking import Slot
 
-MAGIC = 0x464C4332  # "FLC2": fabriclite collectives, protocol 2
 TAG_NONE, TAG_ERROR = 0, 1
 #: inline payload bytes per rank at width 1 (the low half of its word)
 CAPACITY = 4
-#: sizes travel in units of UNIT bytes, so 32 bits cover 64 GiB
+#: sizes travel in units of UNIT bytes, so 32 bits (plans.MAX_SIZE) cover 64 GiB
 UNIT = 16
-MAX_SIZE = (1 << 32) - 1
 #: a group's header row widths: 1 word (the all_reduce form) up to MAX_WIDTH words per rank
 MAX_WIDTH = 1024
 #: the width follows the largest payload of the group's last HISTORY calls
 HISTORY = 8
-BARRIER, BROADCAST, ALL_REDUCE, ALL_GATHER, GATHER, REDUCE = range(1, 7)
-KIND_NAMES = {BARRIER: "barrier", BROADCAST: "broadcast", ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather",
-              GATHER: "gather", REDUCE: "reduce"}
-FLAG_CAT = 1
 _MAX_LISTED = 8
-PACK_CALL = struct.Struct("<8q")
 
 
 class CollectiveMismatchError(ValueError):
     """The ranks disagreed (different collectives, ops, roots, structures or shapes) or one of them failed
     before any data moved. Raised with the same message on every rank of the group, which stays usable."""
-
-
-class Call(NamedTuple):
-    """What every rank of one collective call must agree on."""
-
-    kind: int
-    op: int = 0
-    root: int = -1
-    flags: int = 0
-    digest: Tuple[int, int] = (0, 0)
-    fixed: int = 0
 
 
 # ---------------------------------------------------------------------------------------------- agree
@@ -255,13 +237,13 @@ def wire_rows(ctx: Context, plan: "GatherPlan", row: "Row", words: Optional["Wor
     rows padded to the longest (``lows``: every rank's length, from ``agree``; without a header, every row is
     as long as this one), one large tensor into a reused output buffer (warm memory, no page faults)."""
     buckets = plan.layout.buckets
+    if words is not None and lows is not None and words.width == 1 and row.inline:  # a fixed row, every rank's
+        return Gathered(words.rows, [_inline_rows(words.rows, b) for b in buckets])
     longest = row.low * UNIT  # this row's length, padded (every row's, without a header)
     if ctx.size == 1:
         rows = _assemble(row.parts, longest, ctx.device).view(1, -1)
         return Gathered(rows, [_bucket_rows(rows, b) for b in buckets])
     if words is not None and lows is not None:
-        if words.width == 1 and row.inline:  # a fixed row: inline on every rank alike
-            return Gathered(words.rows, [_inline_rows(words.rows, b) for b in buckets])
         longest = max(lows) * UNIT
         if words.width > 1 and longest <= words.room:
             return Gathered(words.rows, [_inline_rows(words.rows, b) for b in buckets])

@@ -17,8 +17,8 @@ from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from fabriclite.collectives.header import CAPACITY, HISTORY, MAX_SIZE, MAX_WIDTH, UNIT
-from fabriclite.collectives.plans import Bucket, GatherPlan, Layout, Plan, align
+from fabriclite.collectives.header import CAPACITY, HISTORY, MAX_WIDTH, UNIT
+from fabriclite.collectives.plans import MAX_SIZE, Bucket, GatherPlan, Layout, Plan, align
 from fabriclite.collectives.state import Context
 from fabriclite.collectives.unpacking import POOL_MIN_BYTES, SKELETON_AT, Slot, pool_of
 

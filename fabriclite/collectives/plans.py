@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from fabriclite.collectives import ops
-from fabriclite.collectives.header import MAGIC, MAX_SIZE, PACK_CALL, Call
 from fabriclite.collectives.state import Context
 from fabriclite.collectives.structure import NUMBER, OBJECT, TENSOR, Spec
 
@@ -43,11 +43,32 @@ def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-# ---------------------------------------------------------------------------------------------- tags
+# ---------------------------------------------------------------------------------------------- calls
+BARRIER, BROADCAST, ALL_REDUCE, ALL_GATHER, GATHER, REDUCE = range(1, 7)
+KIND_NAMES = {BARRIER: "barrier", BROADCAST: "broadcast", ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather",
+              GATHER: "gather", REDUCE: "reduce"}
+FLAG_CAT = 1
+MAGIC = 0x464C4332  # "FLC2": fabriclite collectives, protocol 2
+#: a header word's halves are 32 bits: the largest tag and the largest size (in header.UNIT units)
+MAX_SIZE = (1 << 32) - 1
+_PACK_CALL = struct.Struct("<8q")
+
+
+class Call(NamedTuple):
+    """What every rank of one collective call must agree on (the header carries its tag)."""
+
+    kind: int
+    op: int = 0
+    root: int = -1
+    flags: int = 0
+    digest: Tuple[int, int] = (0, 0)
+    fixed: int = 0
+
+
 def call_tag(call: Call) -> int:
-    """The 32-bit tag of ``call``: never TAG_NONE or TAG_ERROR, the same in every process."""
-    raw = hashlib.blake2b(PACK_CALL.pack(MAGIC, call.kind, call.op, call.root, call.flags, call.digest[0],
-                                         call.digest[1], call.fixed), digest_size=8).digest()
+    """The 32-bit tag of ``call``: never 0 or 1 (header.TAG_NONE, TAG_ERROR), the same in every process."""
+    raw = hashlib.blake2b(_PACK_CALL.pack(MAGIC, call.kind, call.op, call.root, call.flags, call.digest[0],
+                                          call.digest[1], call.fixed), digest_size=8).digest()
     return int.from_bytes(raw, "little") % (MAX_SIZE - 1) + 2
 
 

@@ -87,7 +87,7 @@ class Context:
         self.device = strategy.root_device
         #: Lightning's single-device contract (all_gather adds no dim)
         self.single_device = strategy.single_device
-        #: the group's header on this rank (header.begin makes it)
+        #: the group's header on this rank (packing.begin makes it)
         self.header: Any = None
 
     @property

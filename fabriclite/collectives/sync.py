@@ -5,9 +5,9 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-from fabriclite.collectives.header import BARRIER, Call, agree
+from fabriclite.collectives.header import agree
 from fabriclite.collectives.packing import begin
-from fabriclite.collectives.plans import tag
+from fabriclite.collectives.plans import BARRIER, Call, tag
 from fabriclite.collectives.state import Context, Strategy, state_of
 from fabriclite.distributed.rendezvous import raise_if_failed
 
