@@ -19,11 +19,14 @@ collection of them (dict / OrderedDict / defaultdict / any Mapping, list, tuple,
 - Errors after data has started moving (a collective timeout, a lost peer) are fatal for the process group:
   the strategy raises them and every later collective fails; end and restart the job.
 
-Each call runs as one pipeline, one stage per module, each module entered once, the data passing each once:
-flatten (structure.py: the leaves, the structure and its spec, cached) -> plan (plans.py, cached) -> pack
-(packing.py) -> agree (header.py: the header exchange, which carries small data) -> wire (header.py: the data
-that did not fit, in one more collective) -> unpack -> rebuild (unpacking.py). The pipelines are the functions
-below; barrier and rank_zero_first are in sync.py.
+Each call is one pipeline, written out in its function below: every stage lives in one module, which the call
+enters once, and the data passes through each stage once:
+
+    1 flatten, its spec (structure.py, cached) -> 2 plan (plans.py, cached) -> 3 pack (packing.py)
+    -> 4 agree, 5 wire (header.py) -> 6 unpack, 7 rebuild (unpacking.py)
+
+Agree is the header exchange, the first collective of every call, which carries small data itself; wire moves
+what did not fit, in one more collective. barrier and rank_zero_first are in sync.py.
 
 May import: ``distributed`` only (never a strategy: ``state.Strategy`` is a Protocol naming the
 primitives used).
@@ -38,10 +41,10 @@ import torch
 from fabriclite.collectives import sync
 from fabriclite.collectives.header import CollectiveMismatchError, agree, fail, wire_message, wire_reduce, wire_rows
 from fabriclite.collectives.packing import begin, pack_message, pack_reduce, pack_row
-from fabriclite.collectives.plans import (ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, REDUCE, Call, plan_gather,
-                                          plan_reduce, tag)
+from fabriclite.collectives.plans import (ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, REDUCE, Call,
+                                          plan_gather, plan_reduce, tag)
 from fabriclite.collectives.state import Context, Strategy, context
-from fabriclite.collectives.structure import take_apart
+from fabriclite.collectives.structure import flatten
 from fabriclite.collectives.sync import RankZeroFailed
 from fabriclite.collectives.unpacking import gathered, gathered_per_rank, reduced, unpickled
 
@@ -69,18 +72,16 @@ def broadcast(strategy: Strategy, obj: Any, src: int = 0, group: Any = None, che
         return obj
     call = Call(BROADCAST, root=src)
     with torch.no_grad():
-        words = None
         try:
             src_index = ctx.member_index(src, f"src={src}")
-            words = begin(ctx) if check else None
-            msg = pack_message(ctx, obj, ctx.index == src_index, words)                      # pack
+            msg = pack_message(ctx, obj, ctx.index == src_index, check)  # 3 pack
         except Exception as err:  # on one rank only, maybe: every rank must hear of it
             if not check:
                 raise
             fail(ctx, begin(ctx), call, err)
-        lows = None if words is None else agree(ctx, words, tag(ctx, call), msg.low, call)  # agree
-        got = wire_message(ctx, msg, src, src_index, words, lows)                              # wire
-        return obj if got is None else unpickled(*got)                                        # unpack
+        lows = None if msg.words is None else agree(ctx, msg.words, tag(ctx, call), msg.low, call)  # 4 agree
+        got = wire_message(ctx, msg, src, src_index, lows)  # 5 wire
+        return obj if got is None else unpickled(*got)  # 6 unpack
 
 
 def all_gather(strategy: Strategy, data: Any, group: Any = None, sync_grads: bool = False, cat: bool = False,
@@ -102,20 +103,20 @@ def all_gather(strategy: Strategy, data: Any, group: Any = None, sync_grads: boo
     mode = "cat" if cat else "stack"
     call = Call(ALL_GATHER, flags=FLAG_CAT if cat else 0)
     with torch.no_grad():
-        words = None
         try:
-            tree, leaves, spec = take_apart(ctx.state.specs, data, mode)                    # flatten
-            plan = plan_gather(ctx, spec, mode, call)                                          # plan
-            if ctx.size > 1 and (check or not plan.layout.fixed_only):
-                words = begin(ctx)
-            row = pack_row(ctx, plan, leaves, words)                                           # pack
+            tree, leaves = flatten(data)  # 1 flatten
+            spec = ctx.state.specs.get(tree, leaves, mode)
+            plan = plan_gather(ctx, spec, mode, call)  # 2 plan (cached)
+            row = pack_row(ctx, plan, leaves, ctx.size > 1 and (check or not plan.layout.fixed_only))  # 3 pack
         except Exception as err:  # on one rank only, maybe: every rank must hear of it
             if ctx.size == 1 or not check:
                 raise
             fail(ctx, begin(ctx), call, err)
-        lows = None if words is None else agree(ctx, words, plan.tag, row.low, plan.call, plan.lines, plan.hint)
-        got = wire_rows(ctx, plan, row, words, lows)                                           # agree, wire
-    return gathered(ctx, spec, plan, leaves, got, tree, data, sync_grads)                     # unpack, rebuild
+        words = row.words
+        lows = None if words is None else agree(ctx, words, plan.tag, row.low, plan.call, plan.lines,
+                                                plan.hint)  # 4 agree
+        got = wire_rows(ctx, plan, row, lows)  # 5 wire
+    return gathered(ctx, spec, plan, leaves, got, tree, data, sync_grads)  # 6 unpack, 7 rebuild
 
 
 def all_reduce(strategy: Strategy, data: Any, group: Any = None, reduce_op: Any = "mean",
@@ -151,23 +152,23 @@ def gather(strategy: Strategy, data: Any, dst: int = 0, group: Any = None) -> Op
     ctx = context(strategy, group)
     call = Call(GATHER, root=dst)
     with torch.no_grad():
-        words = None
         try:
             ctx.member_index(dst, f"dst={dst}")
-            tree, leaves, spec = take_apart(ctx.state.specs, data, "gather")                # flatten
-            plan = plan_gather(ctx, spec, "gather", call)                                      # plan
-            words = begin(ctx) if ctx.size > 1 else None
-            row = pack_row(ctx, plan, leaves, words)                                           # pack
+            tree, leaves = flatten(data)  # 1 flatten
+            spec = ctx.state.specs.get(tree, leaves, "gather")
+            plan = plan_gather(ctx, spec, "gather", call)  # 2 plan (cached)
+            row = pack_row(ctx, plan, leaves, ctx.size > 1)  # 3 pack
         except Exception as err:  # on one rank only, maybe: every rank must hear of it
             if ctx.size == 1:
                 raise
             fail(ctx, begin(ctx), call, err)
-        lows = None if words is None else agree(ctx, words, plan.tag, row.low, plan.call, plan.lines)
-        got = wire_rows(ctx, plan, row, words, lows)                                           # agree, wire
+        words = row.words
+        lows = None if words is None else agree(ctx, words, plan.tag, row.low, plan.call, plan.lines)  # 4 agree
+        got = wire_rows(ctx, plan, row, lows)  # 5 wire
         if ctx.strategy.global_rank != dst:
             return None
     assert got.rows is not None
-    return gathered_per_rank(spec, plan.layout, leaves, got.rows, tree, data)                 # unpack, rebuild
+    return gathered_per_rank(spec, plan.layout, leaves, got.rows, tree, data)  # 6 unpack, 7 rebuild
 
 
 def reduce(strategy: Strategy, data: Any, dst: int = 0, reduce_op: Any = "mean", group: Any = None,
@@ -203,22 +204,22 @@ def _reduce(ctx: Context, data: Any, reduce_op: Any, check: bool, kind: int, dst
         _set_grad(False)
     try:
         checked = check and ctx.size > 1
-        words = begin(ctx) if checked else None
         try:
-            tree, leaves, spec = take_apart(ctx.state.specs, data, "reduce")                   # flatten
-            plan = plan_reduce(ctx, spec, reduce_op, kind, dst, inplace)                          # plan
-            packed = pack_reduce(ctx, plan, leaves, words)                                        # pack
+            tree, leaves = flatten(data)  # 1 flatten
+            spec = ctx.state.specs.get(tree, leaves, "reduce")
+            plan = plan_reduce(ctx, spec, reduce_op, kind, dst, inplace)  # 2 plan (cached)
+            packed = pack_reduce(ctx, plan, leaves, checked)  # 3 pack
         except Exception as err:  # on one rank only, maybe: every rank must hear of it
             if not checked:
                 raise
             fail(ctx, begin(ctx), Call(kind, root=-1 if dst is None else dst), err)
-        if words is not None:
-            agree(ctx, words, plan.tag, packed.low, plan.call, plan.lines)                        # agree
+        if packed.words is not None:
+            agree(ctx, packed.words, plan.tag, packed.low, plan.call, plan.lines)  # 4 agree
         keep = dst is None or ctx.ranks[ctx.index] == dst
-        wired = wire_reduce(ctx, plan, packed, words, finish=keep or inplace)                     # wire
+        wired = wire_reduce(ctx, plan, packed, finish=keep or inplace)  # 5 wire
         if not keep and not inplace:
             return None
-        return reduced(ctx, plan, leaves, wired, tree, data, keep)                                # unpack, rebuild
+        return reduced(ctx, plan, leaves, wired, tree, data, keep)  # 6 unpack, 7 rebuild
     finally:
         if grad:
             _set_grad(True)

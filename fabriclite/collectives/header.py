@@ -131,16 +131,17 @@ def _signed(value: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- wire
-def wire_reduce(ctx: Context, plan: "Plan", packed: "Packed", words: Optional["Words"],
-                finish: bool = True) -> List[Tuple[Any, Optional["Slot"]]]:
+def wire_reduce(ctx: Context, plan: "Plan", packed: "Packed", finish: bool = True) -> List[Tuple[Any,
+                                                                                                   Optional["Slot"]]]:
     """A reduction's data reduced, per bucket ``(reduced buffer, slot)``; with ``finish`` (the result is wanted
-    on this rank) a mean divided and in the result dtype. Inline (the rows rode in ``words``), every rank's row
+    on this rank) a mean divided and in the result dtype. Inline (the rows rode in the header), every rank's row
     is reduced here, on every rank alike (numpy for the 0-d float and int buckets it reduces exactly as torch
     would: a new array); else one primitive all_reduce per wire buffer (in place; a pooled large tensor copied
     in by the strategy's all_reduce_copy, the copy overlapped with the reduction; the caller's own tensor,
     ``inplace``, divided the same way)."""
     out: List[Tuple[Any, Optional["Slot"]]] = []
     size, mean = ctx.size, plan.op == "mean"
+    words = packed.words
     if packed.inline:
         assert words is not None
         for k, bucket in enumerate(plan.buckets):
@@ -231,12 +232,11 @@ class Gathered(NamedTuple):
     slot: Optional["Slot"] = None
 
 
-def wire_rows(ctx: Context, plan: "GatherPlan", row: "Row", words: Optional["Words"],
-              lows: Optional[List[int]]) -> Gathered:
+def wire_rows(ctx: Context, plan: "GatherPlan", row: "Row", lows: Optional[List[int]]) -> Gathered:
     """An all_gather's rows: the header's rows when every row rode inline, else one primitive all_gather of
     rows padded to the longest (``lows``: every rank's length, from ``agree``; without a header, every row is
     as long as this one), one large tensor into a reused output buffer (warm memory, no page faults)."""
-    buckets = plan.layout.buckets
+    buckets, words = plan.layout.buckets, row.words
     if words is not None and lows is not None and words.width == 1 and row.inline:  # a fixed row, every rank's
         return Gathered(words.rows, [_inline_rows(words.rows, b) for b in buckets])
     longest = row.low * UNIT  # this row's length, padded (every row's, without a header)
@@ -258,12 +258,12 @@ def wire_rows(ctx: Context, plan: "GatherPlan", row: "Row", words: Optional["Wor
     return Gathered(rows, [_bucket_rows(rows, b) for b in buckets])
 
 
-def wire_message(ctx: Context, msg: "Message", src: int, src_index: int, words: Optional["Words"],
+def wire_message(ctx: Context, msg: "Message", src: int, src_index: int,
                  lows: Optional[List[int]]) -> Optional[Tuple[Optional[bytes], Tensor]]:
     """A broadcast's message from ``src``: on ``src`` None (it sent it); elsewhere ``(skeleton, data)``:
     ``src``'s row of the header when it rode there, else one primitive broadcast (skeleton None: ``data`` is
     the whole message); without a header, the skeleton as an object broadcast, then the tensors' bytes."""
-    is_src = ctx.index == src_index
+    is_src, words = ctx.index == src_index, msg.words
     if words is None or lows is None:
         is_src = ctx.strategy.global_rank == src
         skeleton, nbytes = ctx.strategy.broadcast_object((msg.skeleton, msg.nbytes), src, ctx.group)

@@ -113,28 +113,32 @@ def begin(ctx: Context) -> Words:
 
 # ---------------------------------------------------------------------------------------------- reductions
 class Packed(NamedTuple):
-    """A reduction's leaves on the wire: ``inline`` (in the header payload; nothing else to send), else per
+    """A reduction's leaves on the wire: the header row ``words`` (None: no header exchange), ``inline`` (the
+    data is in its payload; nothing else to send), else per
     bucket ``(wire buffer, divided, slot, source)``: ``divided``, a mean was (or the wire divides it) before
     the sum; ``slot``, the reused buffer (pool slot) a large single tensor ``source`` is copied into by the
     wire while it is reduced; or, ``inplace``, ``source`` is the caller's tensor, divided in place by the
     wire. ``low``: the header's low half (this row's size in units), or None when the payload fills it."""
 
+    words: Optional[Words]
     inline: bool
     buffers: List[Tuple[Tensor, bool, Optional[Slot], Optional[Tensor]]]
     low: Optional[int]
 
 
-def pack_reduce(ctx: Context, plan: Plan, leaves: Sequence[Any], words: Optional[Words]) -> Packed:
-    """A reduction's leaves into the header payload of ``words`` when the row fits, else one wire buffer per
-    bucket (a mean over a power-of-two group divided while packing; a large single tensor left for the wire
-    to copy into a reused buffer; ``inplace``: the caller's contiguous tensor is its own wire buffer)."""
+def pack_reduce(ctx: Context, plan: Plan, leaves: Sequence[Any], header: bool) -> Packed:
+    """A reduction's leaves into the payload of the group's header row (``words``, when ``header``) when they
+    fit, else one wire buffer per bucket (a mean over a power-of-two group divided while packing; a large
+    single tensor left for the wire to copy into a reused buffer; ``inplace``: the caller's contiguous tensor
+    is its own wire buffer)."""
+    words = begin(ctx) if header else None
     used = plan.layout.used
     inline = words is not None and used <= words.room
     low = None if words is None or (inline and words.width == 1) else units(used)
     if inline:
         assert words is not None
         write_inline(plan.buckets, leaves, words.payload, words.payload_np, ctx.device, plan.divisors)
-        return Packed(True, [], low)
+        return Packed(words, True, [], low)
     out: List[Tuple[Tensor, bool, Optional[Slot], Optional[Tensor]]] = []
     for k, bucket in enumerate(plan.buckets):
         divisor = plan.divisors[k]
@@ -152,7 +156,7 @@ def pack_reduce(ctx: Context, plan: Plan, leaves: Sequence[Any], words: Optional
             slot = pool_of(bucket, "wire", lambda b: (b.view(shape),)).acquire((bucket.numel,), bucket.wire,
                                                                                ctx.device)
             out.append((slot.buffer, divisor is not None, slot, leaves[bucket.ids[0]]))
-    return Packed(False, out, low)
+    return Packed(words, False, out, low)
 
 
 def _large_single(bucket: Bucket, leaves: Sequence[Any]) -> bool:
@@ -247,23 +251,26 @@ def _write(dest: Tensor, parts: Sequence[Tuple[int, Tensor]]) -> None:
 
 # ---------------------------------------------------------------------------------------------- gathers
 class Row:
-    """This rank's all_gather row: its ``length``, ``low`` (its length in UNIT-byte units; None when it fills
-    a width-1 header), and either ``inline`` (written into the header's payload) or ``parts`` ((byte offset,
-    uint8 tensor)) the wire assembles; ``slot``: the reused output buffer one large tensor is gathered into."""
+    """This rank's all_gather row: the header row ``words`` (None: no header exchange), its ``length``,
+    ``low`` (its length in UNIT-byte units; None when it fills a width-1 header), and either ``inline`` (written
+    into the header's payload) or ``parts`` ((byte offset, uint8 tensor)) the wire assembles; ``slot``: the
+    reused output buffer one large tensor is gathered into."""
 
-    def __init__(self, length: int, low: Optional[int], inline: bool, parts: List[Tuple[int, Tensor]],
-                 slot: Optional[Slot] = None) -> None:
-        self.length, self.low, self.inline, self.parts, self.slot = length, low, inline, parts, slot
+    def __init__(self, words: Optional[Words], length: int, low: Optional[int], inline: bool,
+                 parts: List[Tuple[int, Tensor]], slot: Optional[Slot] = None) -> None:
+        self.words, self.length, self.low, self.inline, self.parts, self.slot = words, length, low, inline, parts, slot
 
 
-def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], words: Optional[Words]) -> Row:
+def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], header: bool) -> Row:
     """This rank's row (raises what packing or pickling raises, or ValueError for a row too long for one
-    call): written straight into the payload of the header ``words`` when it fits there, else as parts."""
+    call): written straight into the payload of the group's header row (``words``, when ``header``) when it
+    fits there, else as parts."""
+    words = begin(ctx) if header else None
     layout = plan.layout
     if words is not None and words.width == 1:  # 4 bytes: only a fixed row, the same length on every rank
         if layout.fixed_only and layout.used <= words.room:
             write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device)
-            return Row(layout.used, None, True, [])
+            return Row(words, layout.used, None, True, [])
     extra = []
     if layout.nvar:
         var = _var_words(layout, leaves)
@@ -282,7 +289,7 @@ def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], words: Optio
     if words is not None and words.width > 1 and length <= words.room:
         write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device)
         _write(words.payload, extra)
-        return Row(length, low, True, [])
+        return Row(words, length, low, True, [])
     parts = [(b.offset, as_bytes(pack(b, leaves, ctx.device, copy=False))) for b in layout.buckets] + extra
     buckets, slot = layout.buckets, None
     if ctx.size > 1 and layout.fixed_only and len(buckets) == 1 and buckets[0].mode == "single" \
@@ -290,7 +297,7 @@ def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], words: Optio
         bucket, size, shape = buckets[0], ctx.size, buckets[0].shapes[0]
         pool = pool_of(bucket, f"gathered{size}", lambda b: (b.view(size, *shape),))
         slot = pool.acquire((size, bucket.numel), bucket.wire, ctx.device)
-    return Row(length, low, False, parts, slot)
+    return Row(words, length, low, False, parts, slot)
 
 
 def _var_words(layout: Layout, leaves: Sequence[Any]) -> List[int]:
@@ -316,10 +323,11 @@ class _Pickler(pickle.Pickler):
 
 
 class Message(NamedTuple):
-    """A broadcast's object as ``skeleton`` (its pickle, tensors left out) and the tensors' bytes ``parts``
+    """The header row ``words`` (None: no header exchange) and a broadcast's object as ``skeleton`` (its pickle, tensors left out) and the tensors' bytes ``parts``
     ((offset, uint8 tensor), ``nbytes`` in all); ``message``: the whole as parts (skeleton length, skeleton,
     tensor bytes), ``length`` bytes, ``low`` units; ``inline``: written into the header payload."""
 
+    words: Optional[Words]
     skeleton: bytes
     parts: List[Tuple[int, Tensor]]
     nbytes: int
@@ -329,9 +337,10 @@ class Message(NamedTuple):
     inline: bool
 
 
-def pack_message(ctx: Context, obj: Any, is_src: bool, words: Optional[Words]) -> Message:
-    """``src``'s message (other ranks: an empty one), written into the payload of ``words`` when it fits;
-    without ``words`` (no header), only the skeleton and the tensors' bytes."""
+def pack_message(ctx: Context, obj: Any, is_src: bool, header: bool) -> Message:
+    """``src``'s message (other ranks: an empty one), written into the payload of the group's header row
+    (``words``, when ``header``) when it fits; without a header, only the skeleton and the tensors' bytes."""
+    words = begin(ctx) if header else None
     skeleton, parts, nbytes = b"", [], 0
     if is_src:
         out = io.BytesIO()
@@ -343,7 +352,7 @@ def pack_message(ctx: Context, obj: Any, is_src: bool, words: Optional[Words]) -
             parts.append((nbytes, raw))
             nbytes = align(nbytes + raw.numel())
     if words is None or not is_src:
-        return Message(skeleton, parts, nbytes, [], 0, 0, False)
+        return Message(words, skeleton, parts, nbytes, [], 0, 0, False)
     data_at = align(SKELETON_AT + len(skeleton))
     head = as_bytes(torch.tensor([len(skeleton)], dtype=torch.int64, device=ctx.device))
     message = [(0, head), (SKELETON_AT, _bytes_tensor(skeleton, ctx.device))]
@@ -353,4 +362,4 @@ def pack_message(ctx: Context, obj: Any, is_src: bool, words: Optional[Words]) -
     inline = words.width > 1 and length <= words.room
     if inline:
         _write(words.payload, message)
-    return Message(skeleton, parts, nbytes, message, length, low, inline)
+    return Message(words, skeleton, parts, nbytes, message, length, low, inline)

@@ -259,10 +259,3 @@ class SpecCache:
     def clear(self) -> None:
         self._specs.clear()
 
-
-def take_apart(specs: SpecCache, data: Any, mode: str) -> Tuple[Tree, List[Any], Spec]:
-    """Stage 1: ``(structure, leaves, spec)`` of ``data`` for a collective of ``mode`` ("reduce", "stack",
-    "cat" or "gather"); the spec from ``specs``, made on first use."""
-    leaves: List[Any] = []
-    tree = _walk(data, leaves)
-    return tree, leaves, specs.get(tree, leaves, mode)
