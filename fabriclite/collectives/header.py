@@ -30,12 +30,12 @@ import torch
 from torch import Tensor
 
 from fabriclite.collectives.ops import BITWISE_OPS, OP_NAMES
-from fabriclite.collectives.plans import ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, KIND_NAMES, REDUCE, Call
+from fabriclite.collectives.plans import (ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, KIND_NAMES, REDUCE,
+                                          Bucket, Call, GatherPlan, Plan)
 from fabriclite.collectives.state import Context
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover - packing and unpacking import this module
     from fabriclite.collectives.packing import Message, Packed, Row, Words
-    from fabriclite.collectives.plans import Bucket, GatherPlan, Plan
     from fabriclite.collectives.unpacking import Slot
 
 TAG_NONE, TAG_ERROR = 0, 1
@@ -131,7 +131,7 @@ def _signed(value: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- wire
-def wire_reduce(ctx: Context, plan: "Plan", packed: "Packed", finish: bool = True) -> List[Tuple[Any,
+def wire_reduce(ctx: Context, plan: Plan, packed: "Packed", finish: bool = True) -> List[Tuple[Any,
                                                                                                    Optional["Slot"]]]:
     """A reduction's data reduced, per bucket ``(reduced buffer, slot)``; with ``finish`` (the result is wanted
     on this rank) a mean divided and in the result dtype. Inline (the rows rode in the header), every rank's row
@@ -183,7 +183,7 @@ def _finish(reduced: Tensor, result: torch.dtype, size: int, divide: bool) -> Te
     return reduced
 
 
-def _inline_numpy(bucket: "Bucket", words: "Words", np_dtype: Any) -> Optional[Any]:
+def _inline_numpy(bucket: Bucket, words: "Words", np_dtype: Any) -> Optional[Any]:
     """The ``(size, numel)`` numpy view of the bucket in every rank's inline row, when it is reduced with numpy
     (``np_dtype``; a CPU header the strategy exchanged in place), made once per bucket and header; else None."""
     if np_dtype is None or words.numpy is None or words.result is not words.gathered:
@@ -196,7 +196,7 @@ def _inline_numpy(bucket: "Bucket", words: "Words", np_dtype: Any) -> Optional[A
     return cached[1]
 
 
-def _inline_rows(rows: Tensor, bucket: "Bucket") -> Tensor:
+def _inline_rows(rows: Tensor, bucket: Bucket) -> Tensor:
     """``(size, bucket.numel)`` typed view of the bucket in the header's reused ``rows``, made once per rows."""
     cached = bucket.cache.get("inline rows")
     if cached is None or cached[0] is not rows:
@@ -204,7 +204,7 @@ def _inline_rows(rows: Tensor, bucket: "Bucket") -> Tensor:
     return cached[1]
 
 
-def _bucket_rows(rows: Tensor, bucket: "Bucket") -> Tensor:
+def _bucket_rows(rows: Tensor, bucket: Bucket) -> Tensor:
     """``(size, bucket.numel)`` typed view of the bucket's bytes in every row of ``rows`` (uint8)."""
     return rows[:, bucket.offset:bucket.offset + bucket.nbytes].view(bucket.wire)
 
@@ -232,7 +232,7 @@ class Gathered(NamedTuple):
     slot: Optional["Slot"] = None
 
 
-def wire_rows(ctx: Context, plan: "GatherPlan", row: "Row", lows: Optional[List[int]]) -> Gathered:
+def wire_rows(ctx: Context, plan: GatherPlan, row: "Row", lows: Optional[List[int]]) -> Gathered:
     """An all_gather's rows: the header's rows when every row rode inline, else one primitive all_gather of
     rows padded to the longest (``lows``: every rank's length, from ``agree``; without a header, every row is
     as long as this one), one large tensor into a reused output buffer (warm memory, no page faults)."""

@@ -113,12 +113,12 @@ def begin(ctx: Context) -> Words:
 
 # ---------------------------------------------------------------------------------------------- reductions
 class Packed(NamedTuple):
-    """A reduction's leaves on the wire: the header row ``words`` (None: no header exchange), ``inline`` (the
-    data is in its payload; nothing else to send), else per
-    bucket ``(wire buffer, divided, slot, source)``: ``divided``, a mean was (or the wire divides it) before
-    the sum; ``slot``, the reused buffer (pool slot) a large single tensor ``source`` is copied into by the
-    wire while it is reduced; or, ``inplace``, ``source`` is the caller's tensor, divided in place by the
-    wire. ``low``: the header's low half (this row's size in units), or None when the payload fills it."""
+    """A reduction's leaves on the wire: the header row ``words`` (None: no header exchange); ``inline``: the
+    data is in its payload, nothing else to send; else per bucket ``(wire buffer, divided, slot, source)``:
+    ``divided``, a mean was (or the wire divides it) before the sum; ``slot``, the reused buffer (pool slot) a
+    large single tensor ``source`` is copied into by the wire while it is reduced; or, ``inplace``, ``source``
+    is the caller's tensor, divided in place by the wire. ``low``: the header's low half (this row's size in
+    units), or None when the payload fills it."""
 
     words: Optional[Words]
     inline: bool

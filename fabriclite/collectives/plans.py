@@ -24,7 +24,6 @@ from fabriclite.collectives.state import Context
 from fabriclite.collectives.structure import NUMBER, OBJECT, TENSOR, Spec
 
 ALIGN = 16  # the largest element size (complex128): every typed view of a byte row stays legal
-_CPU = torch.device("cpu")
 _INTS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _COMPLEX = (torch.complex64, torch.complex128)
@@ -127,8 +126,8 @@ class Layout:
     var_dims: str = "first"
     object_ids: List[int] = field(default_factory=list)
     passthrough_ids: List[int] = field(default_factory=list)
-    used: int = 0
-    fixed_only: bool = True
+    used: int = field(init=False)
+    fixed_only: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.used = max((b.offset + b.nbytes for b in self.buckets), default=self.nvar * 8)

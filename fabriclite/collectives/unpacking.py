@@ -71,7 +71,10 @@ class Slot:
 
 
 class Pool:
-    """Up to POOL_DEPTH slots whose views are made by ``make_views`` (default: ``unbind``)."""
+    """Up to POOL_DEPTH slots whose views are made by ``make_views`` (default: ``unbind``). A slot's view objects
+    are handed out again, with new values, once no Python reference to any of them is left, no other tensor
+    shares the buffer's memory (a view, ``.numpy()``, a tensor saved for backward), and no in-place change and
+    no ``requires_grad`` happened since; otherwise a new buffer is used, so results a caller keeps never change."""
 
     def __init__(self, make_views: Views = Tensor.unbind) -> None:
         self.make_views = make_views
