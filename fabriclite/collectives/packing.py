@@ -323,9 +323,10 @@ class _Pickler(pickle.Pickler):
 
 
 class Message(NamedTuple):
-    """The header row ``words`` (None: no header exchange) and a broadcast's object as ``skeleton`` (its pickle, tensors left out) and the tensors' bytes ``parts``
+    """A broadcast's object as ``skeleton`` (its pickle, tensors left out) and the tensors' bytes ``parts``
     ((offset, uint8 tensor), ``nbytes`` in all); ``message``: the whole as parts (skeleton length, skeleton,
-    tensor bytes), ``length`` bytes, ``low`` units; ``inline``: written into the header payload."""
+    tensor bytes), ``length`` bytes, ``low`` units; the header row ``words`` (None: no header exchange);
+    ``inline``: the message is written into its payload."""
 
     words: Optional[Words]
     skeleton: bytes
