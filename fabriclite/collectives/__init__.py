@@ -19,23 +19,34 @@ collection of them (dict / OrderedDict / defaultdict / any Mapping, list, tuple,
 - Errors after data has started moving (a collective timeout, a lost peer) are fatal for the process group:
   the strategy raises them and every later collective fails; end and restart the job.
 
+Each call is one pipeline, written out in its function below: every stage lives in one module, which the call
+enters once, and the data passes through each stage once:
+
+    1 flatten, its spec (structure.py, cached) -> 2 plan (plans.py, cached) -> 3 pack (packing.py)
+    -> 4 agree, 5 wire (header.py) -> 6 unpack, 7 rebuild (unpacking.py)
+
+Agree is the header exchange, the first collective of every call, which carries small data itself; wire moves
+what did not fit, in one more collective. barrier and rank_zero_first are in sync.py.
+
 May import: ``distributed`` only (never a strategy: ``state.Strategy`` is a Protocol naming the
-primitives used). Entry points: ``all_reduce``, ``all_gather``, ``broadcast``, ``reduce``, ``gather``, ``barrier``,
-``rank_zero_first``.
+primitives used).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Any, Iterator, List, Optional
 
-from fabriclite.collectives import broadcasting as _broadcast
-from fabriclite.collectives import gathering as _gather
-from fabriclite.collectives import header as _header
-from fabriclite.collectives import reduction as _reduce
-from fabriclite.collectives import sync as _sync
-from fabriclite.collectives.header import CollectiveMismatchError
-from fabriclite.collectives.state import Strategy, context
+import torch
+
+from fabriclite.collectives import sync
+from fabriclite.collectives.header import CollectiveMismatchError, agree, fail, wire_message, wire_reduce, wire_rows
+from fabriclite.collectives.packing import begin, pack_message, pack_reduce, pack_row
+from fabriclite.collectives.plans import (ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, REDUCE, Call,
+                                          plan_gather, plan_reduce, tag)
+from fabriclite.collectives.state import Context, Strategy, context
+from fabriclite.collectives.structure import flatten
 from fabriclite.collectives.sync import RankZeroFailed
+from fabriclite.collectives.unpacking import gathered, gathered_per_rank, reduced, unpickled
 
 __all__ = ["CollectiveMismatchError", "RankZeroFailed", "all_gather", "all_reduce", "barrier", "broadcast",
            "gather", "rank_zero_first", "reduce"]
@@ -44,7 +55,7 @@ __all__ = ["CollectiveMismatchError", "RankZeroFailed", "all_gather", "all_reduc
 def barrier(strategy: Strategy, name: Optional[str] = None, group: Any = None, check: bool = True) -> None:
     """Return once every rank of ``group`` (default: all) has called barrier. ``name`` is informational.
     Raises CollectiveMismatchError on every rank when another rank called a different collective here."""
-    _sync.barrier(context(strategy, group), name, check)
+    sync.barrier(context(strategy, group), name, check)
 
 
 def broadcast(strategy: Strategy, obj: Any, src: int = 0, group: Any = None, check: bool = True) -> Any:
@@ -56,7 +67,21 @@ def broadcast(strategy: Strategy, obj: Any, src: int = 0, group: Any = None, che
     ranks passing different ``src`` a CollectiveMismatchError.
     """
     ctx = context(strategy, group)
-    return _broadcast.broadcast(ctx, obj, src, check)
+    if ctx.size == 1:
+        ctx.member_index(src, f"src={src}")
+        return obj
+    call = Call(BROADCAST, root=src)
+    with torch.no_grad():
+        try:
+            src_index = ctx.member_index(src, f"src={src}")
+            msg = pack_message(ctx, obj, ctx.index == src_index, check)  # 3 pack
+        except Exception as err:  # on one rank only, maybe: every rank must hear of it
+            if not check:
+                raise
+            fail(ctx, begin(ctx), call, err)
+        lows = None if msg.words is None else agree(ctx, msg.words, tag(ctx, call), msg.low, call)  # 4 agree
+        got = wire_message(ctx, msg, src, src_index, lows)  # 5 wire
+        return obj if got is None else unpickled(*got)  # 6 unpack
 
 
 def all_gather(strategy: Strategy, data: Any, group: Any = None, sync_grads: bool = False, cat: bool = False,
@@ -75,7 +100,23 @@ def all_gather(strategy: Strategy, data: Any, group: Any = None, sync_grads: boo
       rank's inputs (every rank must run the backward).
     """
     ctx = context(strategy, group)
-    return _gather.all_gather(ctx, data, sync_grads, cat, check)
+    mode = "cat" if cat else "stack"
+    call = Call(ALL_GATHER, flags=FLAG_CAT if cat else 0)
+    with torch.no_grad():
+        try:
+            tree, leaves = flatten(data)  # 1 flatten
+            spec = ctx.state.specs.get(tree, leaves, mode)
+            plan = plan_gather(ctx, spec, mode, call)  # 2 plan (cached)
+            row = pack_row(ctx, plan, leaves, ctx.size > 1 and (check or not plan.layout.fixed_only))  # 3 pack
+        except Exception as err:  # on one rank only, maybe: every rank must hear of it
+            if ctx.size == 1 or not check:
+                raise
+            fail(ctx, begin(ctx), call, err)
+        words = row.words
+        lows = None if words is None else agree(ctx, words, plan.tag, row.low, plan.call, plan.lines,
+                                                plan.hint)  # 4 agree
+        got = wire_rows(ctx, plan, row, lows)  # 5 wire
+    return gathered(ctx, spec, plan, leaves, got, tree, data, sync_grads)  # 6 unpack, 7 rebuild
 
 
 def all_reduce(strategy: Strategy, data: Any, group: Any = None, reduce_op: Any = "mean",
@@ -98,8 +139,7 @@ def all_reduce(strategy: Strategy, data: Any, group: Any = None, reduce_op: Any 
     tensor, the sum of a bool tensor) cannot be reduced in place: ValueError (CollectiveMismatchError on
     every rank), raised before any data moves, and no tensor is changed then.
     """
-    ctx = context(strategy, group)
-    return _reduce.run(ctx, data, reduce_op, check, inplace=inplace)
+    return _reduce(context(strategy, group), data, reduce_op, check, ALL_REDUCE, None, inplace)
 
 
 def gather(strategy: Strategy, data: Any, dst: int = 0, group: Any = None) -> Optional[List[Any]]:
@@ -110,7 +150,25 @@ def gather(strategy: Strategy, data: Any, dst: int = 0, group: Any = None) -> Op
     Built on all_gather (no gather primitive is assumed), so every rank moves every rank's data.
     """
     ctx = context(strategy, group)
-    return _gather.gather(ctx, data, dst)
+    call = Call(GATHER, root=dst)
+    with torch.no_grad():
+        try:
+            ctx.member_index(dst, f"dst={dst}")
+            tree, leaves = flatten(data)  # 1 flatten
+            spec = ctx.state.specs.get(tree, leaves, "gather")
+            plan = plan_gather(ctx, spec, "gather", call)  # 2 plan (cached)
+            row = pack_row(ctx, plan, leaves, ctx.size > 1)  # 3 pack
+        except Exception as err:  # on one rank only, maybe: every rank must hear of it
+            if ctx.size == 1:
+                raise
+            fail(ctx, begin(ctx), call, err)
+        words = row.words
+        lows = None if words is None else agree(ctx, words, plan.tag, row.low, plan.call, plan.lines)  # 4 agree
+        got = wire_rows(ctx, plan, row, lows)  # 5 wire
+        if ctx.strategy.global_rank != dst:
+            return None
+    assert got.rows is not None
+    return gathered_per_rank(spec, plan.layout, leaves, got.rows, tree, data)  # 6 unpack, 7 rebuild
 
 
 def reduce(strategy: Strategy, data: Any, dst: int = 0, reduce_op: Any = "mean", group: Any = None,
@@ -118,8 +176,7 @@ def reduce(strategy: Strategy, data: Any, dst: int = 0, reduce_op: Any = "mean",
     """``all_reduce``'s result on global rank ``dst``; None on the other ranks (the reduction itself is
     an all_reduce: every rank computes it). ``inplace=True`` as for ``all_reduce``; every rank's tensors
     then hold the result."""
-    ctx = context(strategy, group)
-    return _reduce.run(ctx, data, reduce_op, check, kind=_header.REDUCE, dst=dst, inplace=inplace)
+    return _reduce(context(strategy, group), data, reduce_op, check, REDUCE, dst, inplace)
 
 
 @contextmanager
@@ -129,5 +186,40 @@ def rank_zero_first(strategy: Strategy, local: bool = False) -> Iterator[None]:
     raises, the waiting ranks raise RankZeroFailed naming rank 0's error instead of running the block
     or hanging. Uses the job's store (no process group is created per call); without a store, rank 0
     broadcasts its outcome (then the collective timeout bounds the wait, and ``local`` acts as global)."""
-    with _sync.rank_zero_first(strategy, local):
+    with sync.rank_zero_first(strategy, local):
         yield
+
+
+#: autograd off and on again without a context manager object per call
+_set_grad = getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
+
+
+def _reduce(ctx: Context, data: Any, reduce_op: Any, check: bool, kind: int, dst: Optional[int],
+            inplace: bool) -> Any:
+    """all_reduce (``kind`` ALL_REDUCE) or reduce (REDUCE: the result on global rank ``dst`` only, None
+    elsewhere), without autograd: results are not differentiable; in-place writes into tensors that require
+    grad are allowed."""
+    grad = torch.is_grad_enabled()
+    if grad:
+        _set_grad(False)
+    try:
+        checked = check and ctx.size > 1
+        try:
+            tree, leaves = flatten(data)  # 1 flatten
+            spec = ctx.state.specs.get(tree, leaves, "reduce")
+            plan = plan_reduce(ctx, spec, reduce_op, kind, dst, inplace)  # 2 plan (cached)
+            packed = pack_reduce(ctx, plan, leaves, checked)  # 3 pack
+        except Exception as err:  # on one rank only, maybe: every rank must hear of it
+            if not checked:
+                raise
+            fail(ctx, begin(ctx), Call(kind, root=-1 if dst is None else dst), err)
+        if packed.words is not None:
+            agree(ctx, packed.words, plan.tag, packed.low, plan.call, plan.lines)  # 4 agree
+        keep = dst is None or ctx.ranks[ctx.index] == dst
+        wired = wire_reduce(ctx, plan, packed, finish=keep or inplace)  # 5 wire
+        if not keep and not inplace:
+            return None
+        return reduced(ctx, plan, leaves, wired, tree, data, keep)  # 6 unpack, 7 rebuild
+    finally:
+        if grad:
+            _set_grad(True)

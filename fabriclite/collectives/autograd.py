@@ -12,8 +12,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from fabriclite.collectives.spec import Layout, Spec
+from fabriclite.collectives.plans import Layout
 from fabriclite.collectives.state import Context
+from fabriclite.collectives.structure import Spec
 
 
 class _Plan:

@@ -1,51 +1,53 @@
-"""The agreement header: the first (and for small data the only) collective of every call.
+"""Stages 4 and 5 of every collective: agree (the header exchange, the first and for small data the only
+collective of a call), then wire (the data that did not ride in the header, in one more collective).
 
-Every rank sends a header row of the same width: ``width`` int64 words, the last one a 32-bit call tag
-over 32 bits of size, the others inline payload (the data itself when it fits). Width 1 is exchanged by
-one int64 SUM all_reduce of ``group size`` words, each rank's word at its index and zeros elsewhere, so
-the sum hands every rank every word bit for bit: an all_gather at the price of the cheapest all_reduce
-(in gloo an all_reduce of at most one element per rank is one exchange; an all_gather or a longer
-all_reduce costs about a third more). Its 4-byte payload is the low half of the word (one float32 0-d
-tensor, say). Wider rows go by one all_gather. A group's width follows the largest payload of its last
-HISTORY calls, which every rank of the group saw agree, so every rank picks the same width and the
-exchange always matches up; every call of every kind starts with it, so one rank calling all_reduce
-while another calls all_gather meets here and raises instead of hanging or mixing data.
+Every rank sends a header row of the same width: ``width`` int64 words, the last one a 32-bit call tag over
+32 bits of size, the others inline payload (the data itself when it fits: packing.py writes it). Width 1 is
+exchanged by one int64 SUM all_reduce of ``group size`` words, each rank's word at its index and zeros
+elsewhere, so the sum hands every rank every word bit for bit: an all_gather at the price of the cheapest
+all_reduce (in gloo an all_reduce of at most one element per rank is one exchange; an all_gather or a longer
+all_reduce costs about a third more). Its 4-byte payload is the low half of the word (one float32 0-d tensor,
+say). Wider rows go by one all_gather. A group's width follows the largest payload of its last HISTORY calls,
+which every rank of the group saw agree, so every rank picks the same width and the exchange always matches
+up; every call of every kind starts with it, so one rank calling all_reduce while another calls all_gather
+meets here and raises instead of hanging or mixing data.
 
-The tag is a hash of the collective, its op, root and flags, the 128-bit digest of the collection's
-structure and its fixed payload size: 0 is never sent by a fabriclite collective, 1 says "this rank
-failed locally". The size is the rank's row length in UNIT-byte units. Equal tags on every rank: the call
-goes on. Anything else (a local error, a different call, a different structure) sends every rank into one
-detailed exchange of full call descriptions (an object all_gather, only on this path), after which every
-rank raises the same ``CollectiveMismatchError``, and the group stays usable. Two different calls share a
-tag with probability 2**-32.
+The tag is a hash of the collective, its op, root and flags, the 128-bit digest of the collection's structure
+and its fixed payload size (plans.call_tag): 0 is never sent by a fabriclite collective, 1 says "this rank
+failed locally". The size is the rank's row length in UNIT-byte units. Equal tags on every rank: the call goes
+on. Anything else (a local error, a different call, a different structure) sends every rank into one detailed
+exchange of full call descriptions (an object all_gather, only on this path), after which every rank raises the
+same ``CollectiveMismatchError``, and the group stays usable. Two different calls share a tag with probability
+2**-32.
 """
 from __future__ import annotations
 
-import hashlib
-import struct
-from collections import deque
-from typing import Callable, Deque, Dict, List, NamedTuple, NoReturn, Optional, Tuple
+import functools
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, NoReturn, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from fabriclite.collectives import ops
+from fabriclite.collectives.ops import BITWISE_OPS, OP_NAMES
+from fabriclite.collectives.plans import (ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, KIND_NAMES, REDUCE,
+                                          Bucket, Call, GatherPlan, Plan)
 from fabriclite.collectives.state import Context
 
-MAGIC = 0x464C4332  # "FLC2": fabriclite collectives, protocol 2
+if TYPE_CHECKING:  # pragma: no cover - packing and unpacking import this module
+    from fabriclite.collectives.packing import Message, Packed, Row, Words
+    from fabriclite.collectives.unpacking import Slot
+
 TAG_NONE, TAG_ERROR = 0, 1
 #: inline payload bytes per rank at width 1 (the low half of its word)
 CAPACITY = 4
-#: sizes travel in units of UNIT bytes, so 32 bits cover 64 GiB
+#: sizes travel in units of UNIT bytes, so 32 bits (plans.MAX_SIZE) cover 64 GiB
 UNIT = 16
-MAX_SIZE = (1 << 32) - 1
-
-BARRIER, BROADCAST, ALL_REDUCE, ALL_GATHER, GATHER, REDUCE = range(1, 7)
-KIND_NAMES = {BARRIER: "barrier", BROADCAST: "broadcast", ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather",
-              GATHER: "gather", REDUCE: "reduce"}
-FLAG_CAT = 1
+#: a group's header row widths: 1 word (the all_reduce form) up to MAX_WIDTH words per rank
+MAX_WIDTH = 1024
+#: the width follows the largest payload of the group's last HISTORY calls
+HISTORY = 8
 _MAX_LISTED = 8
-_PACK = struct.Struct("<8q")
 
 
 class CollectiveMismatchError(ValueError):
@@ -53,162 +55,56 @@ class CollectiveMismatchError(ValueError):
     before any data moved. Raised with the same message on every rank of the group, which stays usable."""
 
 
-class Call(NamedTuple):
-    """What every rank of one collective call must agree on."""
-
-    kind: int
-    op: int = 0
-    root: int = -1
-    flags: int = 0
-    digest: Tuple[int, int] = (0, 0)
-    fixed: int = 0
-
-
-def units(nbytes: int) -> int:
-    """``nbytes`` in UNIT-byte units, rounded up; ValueError beyond what a header word carries."""
-    n = -(-nbytes // UNIT)
-    if n > MAX_SIZE:
-        raise ValueError(f"{nbytes} bytes from one rank in one call is more than a collective carries "
-                         f"({MAX_SIZE * UNIT} bytes); split the data over several calls.")
-    return n
-
-
-#: a group's header row widths: 1 word (the all_reduce form) up to MAX_WIDTH words per rank
-MAX_WIDTH = 1024
-#: the width follows the largest payload of the group's last HISTORY calls
-HISTORY = 8
-
-
-def max_width(size: int) -> int:
-    """The widest header row for a group of ``size``: 8 KiB for small groups, shrinking so the exchanged
-    headers stay near 32 KiB; a power of two, at least 2."""
-    width = 2
-    while width * 2 <= min(MAX_WIDTH, 4096 // max(size, 1)):
-        width *= 2
-    return width
-
-
-class Words:
-    """One header buffer of a group on this rank, reused across calls: ``width`` int64 words per rank,
-    this rank's inline ``payload`` region (``capacity`` bytes, uint8; ``payload_np``: the same memory as a
-    numpy array on CPU, else None) and, after an exchange, ``rows()``: every rank's payload. Width 1 is
-    exchanged by an int64 SUM all_reduce (this rank's word at its index, zeros elsewhere), wider rows by an
-    all_gather. Nothing handed to a caller is a view of it."""
-
-    def __init__(self, owner: "Header", width: int) -> None:
-        size, index, device = owner.size, owner.index, owner.device
-        self.owner, self.width, self.size = owner, width, size
-        self.capacity = CAPACITY if width == 1 else 8 * (width - 1)
-        self.gathered = torch.zeros((size, width), dtype=torch.int64, device=device)
-        self.mine = self.gathered[index] if width == 1 else torch.zeros(width, dtype=torch.int64, device=device)
-        self.payload = self.mine.view(torch.uint8)[:self.capacity]
-        self._rows = self.gathered.view(torch.uint8)[:, :self.capacity]
-        self.result = self.gathered
-        self.sized = False
-        cpu = self.gathered.device.type == "cpu"
-        self.numpy = self.gathered.numpy() if cpu else None
-        mine_np = self.mine.numpy() if cpu else None
-        self.halves = mine_np.view("uint32") if mine_np is not None else None
-        #: every rank's last word as (low, tag) uint32 pairs, read straight from the exchanged buffer
-        self.last_halves = self.numpy[:, -1:].view("uint32") if self.numpy is not None else None
-        self.payload_np = mine_np.view("uint8")[:self.capacity] if mine_np is not None else None
-
-    def fits(self, nbytes: int) -> bool:
-        """Whether a row of ``nbytes`` rides inline (the same answer on every rank for the same length)."""
-        if self.width == 1:
-            return nbytes <= CAPACITY
-        return units(nbytes) * UNIT <= self.capacity
-
-    def rows(self) -> Tensor:
-        """Every rank's inline payload after ``exchange``: ``(size, capacity)`` uint8."""
-        if self.result is self.gathered:
-            return self._rows
-        return self.result.reshape(self.size, self.width).view(torch.uint8)[:, :self.capacity]
-
-    def clear(self) -> "Words":
-        """Zero the words (the all_reduce form needs every other rank's word zero)."""
-        if self.width == 1:
-            if self.numpy is not None:
-                self.numpy[:] = 0
-            else:
-                self.gathered.zero_()
-        return self
-
-
-class Header:
-    """The header of one group on this rank: its buffers by width and the recent payload sizes that set
-    the next call's width. Every rank of the group sees the same calls agree, so every rank computes the
-    same width for the next call: the exchange always matches up."""
-
-    def __init__(self, size: int, index: int, device: torch.device) -> None:
-        self.size, self.index, self.device = size, index, device
-        self.limit = max_width(size)
-        self.needs: Deque[int] = deque([1], maxlen=HISTORY)
-        self.width = 1
-        self.buffers: Dict[int, Words] = {}
-
-    def words(self) -> Words:
-        words = self.buffers.get(self.width)
-        if words is None:
-            words = self.buffers[self.width] = Words(self, self.width)
-        return words
-
-    def record(self, need: int) -> None:
-        """An agreed call whose rows needed ``need`` words to ride inline."""
-        need = need if need <= self.limit else 1
-        needs = self.needs
-        if need == needs[-1] and len(needs) == HISTORY and needs.count(need) == HISTORY:
-            return  # the same as the last HISTORY calls: the width stays
-        needs.append(need)
-        width, most = 1, max(self.needs)
+# ---------------------------------------------------------------------------------------------- agree
+def agree(ctx: Context, words: "Words", tag: int, low: Optional[int], call: Call, lines: Optional[List[str]] = None,
+          hint: str = "") -> List[int]:
+    """Send this rank's header (``tag`` over ``low``: its row size in UNIT-byte units; or, at width 1 with
+    ``low`` None, over the 4-byte payload already written) and return every rank's low half when every rank
+    sent this tag (the group's next header width then follows from the sizes they carry); ``words.rows`` then
+    holds every rank's payload. Otherwise raises the same CollectiveMismatchError on every rank, after one
+    detailed exchange: a rank's local error, different collectives, ops, roots or flags, different structures
+    (``lines``: this rank's structure lines) or payload sizes."""
+    halves = _exchange(ctx, words, tag, low)
+    tags = halves[1::2]
+    first = tags[0]
+    if first <= TAG_ERROR or tags.count(first) != len(tags):
+        _disagree(ctx, tags, call, None, lines, hint)
+    lows = halves[0::2]
+    owner, need = words.owner, 1 + 2 * max(lows) if words.sized else 1
+    need = need if need <= owner.limit else 1
+    needs = owner.needs
+    if not (need == needs[-1] and len(needs) == HISTORY and needs.count(need) == HISTORY):
+        needs.append(need)  # else the same as the last HISTORY calls: the width stays
+        width, most = 1, max(needs)
         while width < most:
             width *= 2
-        self.width = width
+        owner.width = width
+    return lows
 
 
-def begin(ctx: Context) -> Words:
-    """This group's header buffer for the next call, cleared: write this rank's inline payload into it
-    (when ``fits``), then ``exchange``."""
-    state = ctx.header
-    if state is None:
-        key = (ctx.group, ctx.device)
-        state = ctx.state.headers.get(key)
-        if state is None:
-            state = ctx.state.headers[key] = Header(ctx.size, ctx.index, ctx.device)
-        ctx.header = state
-    return state.words().clear()
+def fail(ctx: Context, words: "Words", call: Call, error: BaseException) -> NoReturn:
+    """Report this rank's local ``error`` through the header exchange (``words``: this group's header, from
+    packing.begin), so that every rank raises the same CollectiveMismatchError (here chained to ``error``)
+    instead of the others waiting for this one."""
+    halves = _exchange(ctx, words, TAG_ERROR, 0)
+    try:
+        _disagree(ctx, halves[1::2], call, f"{type(error).__name__}: {error}", None, "")
+    except CollectiveMismatchError as mismatch:
+        raise mismatch from error
 
 
-def call_tag(call: Call) -> int:
-    """The 32-bit tag of ``call``: never TAG_NONE or TAG_ERROR, the same in every process."""
-    raw = hashlib.blake2b(_PACK.pack(MAGIC, call.kind, call.op, call.root, call.flags, call.digest[0],
-                                     call.digest[1], call.fixed), digest_size=8).digest()
-    return int.from_bytes(raw, "little") % (MAX_SIZE - 1) + 2
-
-
-def tag(ctx: Context, call: Call) -> int:
-    """``call_tag(call)``, remembered per strategy."""
-    tags = ctx.state.tags
-    value = tags.get(call)
-    if value is None:
-        value = tags[call] = call_tag(call)
-    return value
-
-
-def exchange(ctx: Context, words: Words, tag_value: int, low: Optional[int] = None) -> List[int]:
-    """Send this rank's header (``tag_value`` over ``low``: a size in UNIT-byte units; or, at width 1
-    with ``low`` None, over the 4-byte payload already written) and return every rank's halves, flat:
-    ``[low_0, tag_0, low_1, tag_1, ...]``; ``words.rows()`` then holds every rank's payload."""
+def _exchange(ctx: Context, words: "Words", tag: int, low: Optional[int]) -> List[int]:
+    """The header collective; every rank's halves, flat: ``[low_0, tag_0, low_1, tag_1, ...]``."""
     words.sized = low is not None
     j = 2 * (words.width - 1)
     halves = words.halves
     if halves is not None:
-        halves[j + 1] = tag_value
+        halves[j + 1] = tag
         if low is not None:
             halves[j] = low
     else:
         pair = words.mine.view(torch.int32)
-        pair[j + 1:j + 2].fill_(_signed(tag_value))
+        pair[j + 1:j + 2].fill_(_signed(tag))
         if low is not None:
             pair[j:j + 1].fill_(_signed(low))
     if words.width == 1:
@@ -216,10 +112,13 @@ def exchange(ctx: Context, words: Words, tag_value: int, low: Optional[int] = No
     else:
         result = ctx.strategy.flat_all_gather_into(words.gathered, words.mine, ctx.group)
     words.result = result
-    if words.last_halves is not None and result is words.gathered:
-        return words.last_halves.ravel().tolist()
+    if result is words.gathered:
+        words.rows = words.own_rows
+        if words.last_halves is not None:
+            return words.last_halves.ravel().tolist()
     else:
-        last = result.reshape(words.size, words.width)[:, -1].cpu().tolist()
+        words.rows = result.reshape(words.size, words.width).view(torch.uint8)[:, :words.capacity]
+    last = result.reshape(words.size, words.width)[:, -1].cpu().tolist()
     out: List[int] = []
     for value in last:
         value &= 0xFFFFFFFFFFFFFFFF
@@ -231,45 +130,180 @@ def _signed(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def agree(ctx: Context, words: Words, halves: List[int], call: Call,
-          describe: Optional[Callable[[], List[str]]] = None, hint: str = "") -> List[int]:
-    """Every rank's low half when every rank sent this ``call``'s tag (the group's next header width then
-    follows from the sizes they carry). Otherwise raises the same CollectiveMismatchError on every rank,
-    after one detailed exchange: a rank's local error, different collectives, ops, roots or flags,
-    different structures (``describe``: this rank's structure lines) or payload sizes."""
-    tags = halves[1::2]
-    first = tags[0]
-    if first > TAG_ERROR and tags.count(first) == len(tags):
-        lows = halves[0::2]
-        words.owner.record(1 + 2 * max(lows) if words.sized else 1)
-        return lows
-    _disagree(ctx, tags, call, None, describe, hint)
+# ---------------------------------------------------------------------------------------------- wire
+def wire_reduce(ctx: Context, plan: Plan, packed: "Packed", finish: bool = True) -> List[Tuple[Any,
+                                                                                                   Optional["Slot"]]]:
+    """A reduction's data reduced, per bucket ``(reduced buffer, slot)``; with ``finish`` (the result is wanted
+    on this rank) a mean divided and in the result dtype. Inline (the rows rode in the header), every rank's row
+    is reduced here, on every rank alike (numpy for the 0-d float and int buckets it reduces exactly as torch
+    would: a new array); else one primitive all_reduce per wire buffer (in place; a pooled large tensor copied
+    in by the strategy's all_reduce_copy, the copy overlapped with the reduction; the caller's own tensor,
+    ``inplace``, divided the same way)."""
+    out: List[Tuple[Any, Optional["Slot"]]] = []
+    size, mean = ctx.size, plan.op == "mean"
+    words = packed.words
+    if packed.inline:
+        assert words is not None
+        for k, bucket in enumerate(plan.buckets):
+            divide = finish and mean and plan.divisors[k] is None
+            values = _inline_numpy(bucket, words, plan.np_dtypes[k])
+            if values is None:
+                buf = _reduce_rows(_inline_rows(words.rows, bucket), plan.op)
+                out.append((_finish(buf, bucket.result, size, divide) if finish else buf, None))
+                continue
+            ufunc = plan.reduce_np
+            if len(values) == 2:  # one binary op costs less than a reduction
+                values = ufunc(values[0], values[1])
+            else:  # numpy sums int32 as int64 otherwise
+                values = ufunc.reduce(values, axis=0, dtype=values.dtype)
+            out.append((values / size if divide else values, None))
+        return out
+    for (buf, divided, slot, source), bucket in zip(packed.buffers, plan.buckets):
+        if size > 1:
+            flat = buf.view(-1)
+            if source is not None:  # source may be buf itself (inplace): the copy is then the division alone
+                result = ctx.strategy.flat_all_reduce_copy(flat, source.reshape(-1), plan.primitive, ctx.group,
+                                                           size if divided else None)
+            else:
+                result = ctx.strategy.flat_all_reduce(flat, plan.primitive, ctx.group)
+            buf, slot = (buf, slot) if result is flat else (result.view(buf.shape), None)
+        out.append((_finish(buf, bucket.result, size, mean and not divided) if finish else buf, slot))
+    return out
 
 
-def fail(ctx: Context, call: Call, error: BaseException) -> NoReturn:
-    """Report this rank's local ``error`` through the header exchange, so that every rank raises the same
-    CollectiveMismatchError (here chained to ``error``) instead of the others waiting for this one."""
-    halves = exchange(ctx, begin(ctx), TAG_ERROR, 0)
-    try:
-        _disagree(ctx, halves[1::2], call, f"{type(error).__name__}: {error}", None, "")
-    except CollectiveMismatchError as mismatch:
-        raise mismatch from error
+def _finish(reduced: Tensor, result: torch.dtype, size: int, divide: bool) -> Tensor:
+    """``reduced`` as the caller sees it: divided by ``size`` (a mean not divided before the sum), cast to
+    the ``result`` dtype. May reuse ``reduced``."""
+    if divide:
+        if reduced.dtype == result and (reduced.is_floating_point() or reduced.is_complex()):
+            return reduced.div_(size)
+        return torch.div(reduced, size).to(result)
+    if reduced.dtype != result:
+        return reduced.to(result)
+    return reduced
+
+
+def _inline_numpy(bucket: Bucket, words: "Words", np_dtype: Any) -> Optional[Any]:
+    """The ``(size, numel)`` numpy view of the bucket in every rank's inline row, when it is reduced with numpy
+    (``np_dtype``; a CPU header the strategy exchanged in place), made once per bucket and header; else None."""
+    if np_dtype is None or words.numpy is None or words.result is not words.gathered:
+        return None
+    key = ("inline numpy", id(words))
+    cached = bucket.cache.get(key)
+    if cached is None or cached[0] is not words:
+        raw = words.numpy.view(np.uint8)[:, :words.capacity]
+        cached = bucket.cache[key] = (words, raw[:, bucket.offset:bucket.offset + bucket.nbytes].view(np_dtype))
+    return cached[1]
+
+
+def _inline_rows(rows: Tensor, bucket: Bucket) -> Tensor:
+    """``(size, bucket.numel)`` typed view of the bucket in the header's reused ``rows``, made once per rows."""
+    cached = bucket.cache.get("inline rows")
+    if cached is None or cached[0] is not rows:
+        cached = bucket.cache["inline rows"] = (rows, _bucket_rows(rows, bucket))
+    return cached[1]
+
+
+def _bucket_rows(rows: Tensor, bucket: Bucket) -> Tensor:
+    """``(size, bucket.numel)`` typed view of the bucket's bytes in every row of ``rows`` (uint8)."""
+    return rows[:, bucket.offset:bucket.offset + bucket.nbytes].view(bucket.wire)
+
+
+def _reduce_rows(rows: Tensor, op: str) -> Tensor:
+    """``rows`` ``(group_size, n)`` of one wire dtype reduced over dim 0, exactly as the primitive would (a
+    mean: the sum, divided when unpacking). The same rows give the same result on every rank."""
+    if op in ("sum", "mean"):
+        return rows.sum(0, dtype=rows.dtype)
+    if op == "min":
+        return rows.amin(0)
+    if op == "max":
+        return rows.amax(0)
+    if op == "prod":
+        return rows.prod(0, dtype=rows.dtype)
+    return functools.reduce(BITWISE_OPS[op], rows.unbind(0))
+
+
+class Gathered(NamedTuple):
+    """Every rank's all_gather row: ``rows`` ``(size, L)`` uint8 and, per fixed bucket, ``regions``: its typed
+    ``(size, numel)`` view of them; or the pool ``slot`` one large tensor was gathered into."""
+
+    rows: Optional[Tensor]
+    regions: List[Tensor]
+    slot: Optional["Slot"] = None
+
+
+def wire_rows(ctx: Context, plan: GatherPlan, row: "Row", lows: Optional[List[int]]) -> Gathered:
+    """An all_gather's rows: the header's rows when every row rode inline, else one primitive all_gather of
+    rows padded to the longest (``lows``: every rank's length, from ``agree``; without a header, every row is
+    as long as this one), one large tensor into a reused output buffer (warm memory, no page faults)."""
+    buckets, words = plan.layout.buckets, row.words
+    if words is not None and lows is not None and words.width == 1 and row.inline:  # a fixed row, every rank's
+        return Gathered(words.rows, [_inline_rows(words.rows, b) for b in buckets])
+    longest = row.low * UNIT  # this row's length, padded (every row's, without a header)
+    if ctx.size == 1:
+        rows = _assemble(row.parts, longest, ctx.device).view(1, -1)
+        return Gathered(rows, [_bucket_rows(rows, b) for b in buckets])
+    if words is not None and lows is not None:
+        longest = max(lows) * UNIT
+        if words.width > 1 and longest <= words.room:
+            return Gathered(words.rows, [_inline_rows(words.rows, b) for b in buckets])
+        if row.inline:  # another rank's row did not fit: send this one again, from the header's payload
+            row.parts = [(0, words.payload[:row.length])]
+    mine = _assemble(row.parts, longest, ctx.device)
+    if row.slot is not None:
+        ctx.strategy.flat_all_gather_into(row.slot.buffer.view(torch.uint8).view(ctx.size, longest), mine, ctx.group)
+        row.slot.commit()
+        return Gathered(None, [], row.slot)
+    rows = ctx.strategy.flat_all_gather(mine, ctx.group)
+    return Gathered(rows, [_bucket_rows(rows, b) for b in buckets])
+
+
+def wire_message(ctx: Context, msg: "Message", src: int, src_index: int,
+                 lows: Optional[List[int]]) -> Optional[Tuple[Optional[bytes], Tensor]]:
+    """A broadcast's message from ``src``: on ``src`` None (it sent it); elsewhere ``(skeleton, data)``:
+    ``src``'s row of the header when it rode there, else one primitive broadcast (skeleton None: ``data`` is
+    the whole message); without a header, the skeleton as an object broadcast, then the tensors' bytes."""
+    is_src, words = ctx.index == src_index, msg.words
+    if words is None or lows is None:
+        is_src = ctx.strategy.global_rank == src
+        skeleton, nbytes = ctx.strategy.broadcast_object((msg.skeleton, msg.nbytes), src, ctx.group)
+        if is_src:
+            if nbytes:
+                ctx.strategy.flat_broadcast(_assemble(msg.parts, nbytes, ctx.device), src, ctx.group)
+            return None
+        data = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+        return skeleton, ctx.strategy.flat_broadcast(data, src, ctx.group) if nbytes else data
+    length = lows[src_index] * UNIT
+    if words.width > 1 and length <= words.room:
+        return None if is_src else (None, words.rows[src_index, :length].clone())
+    if is_src:
+        ctx.strategy.flat_broadcast(_assemble(msg.message, length, ctx.device), src, ctx.group)
+        return None
+    data = torch.empty(length, dtype=torch.uint8, device=ctx.device)
+    return None, ctx.strategy.flat_broadcast(data, src, ctx.group)
+
+
+def _assemble(parts: List[Tuple[int, Tensor]], length: int, device: torch.device) -> Tensor:
+    """One uint8 row of ``length`` bytes holding ``parts`` ((offset, uint8 tensor)); the part itself when
+    it is the whole row (no copy)."""
+    if len(parts) == 1 and parts[0][0] == 0 and parts[0][1].numel() == length and parts[0][1].device == device:
+        return parts[0][1]
+    row = torch.empty(length, dtype=torch.uint8, device=device)
+    for offset, part in parts:
+        row[offset:offset + part.numel()].copy_(part)
+    return row
 
 
 # ---------------------------------------------------------------------------------------------- disagreement
-def _disagree(ctx: Context, tags: List[int], call: Call, error: Optional[str],
-              describe: Optional[Callable[[], List[str]]], hint: str) -> NoReturn:
+def _disagree(ctx: Context, tags: List[int], call: Call, error: Optional[str], lines: Optional[List[str]],
+              hint: str) -> NoReturn:
     ranks = ctx.ranks
     silent = [ranks[r] for r, t in enumerate(tags) if t == TAG_NONE]
     if silent:  # such a rank is not in this code: no further exchange with it
         raise CollectiveMismatchError(
             f"ranks {silent} sent no fabriclite collective header: every rank must call the same "
             "fabriclite collective at this point (not torch.distributed directly), with the same fabriclite version.")
-    try:
-        lines = describe() if describe is not None and error is None else []
-    except Exception as err:  # pragma: no cover - describing never fails for a collection that was walked
-        lines, error = [], f"{type(err).__name__}: {err}"
-    mine = (tuple(call), error, lines)
+    mine = (tuple(call), error, lines if lines is not None and error is None else [])
     infos = [(Call(*c), e, l) for c, e, l in ctx.strategy.all_gather_object(mine, ctx.group)]
     raise CollectiveMismatchError(_explain(ctx, infos, hint))
 
@@ -303,7 +337,7 @@ def describe_call(call: Call) -> str:
     name = KIND_NAMES.get(kind, f"<unknown collective {kind}>")
     args = []
     if kind in (ALL_REDUCE, REDUCE):
-        args.append(f"reduce_op={ops.OP_NAMES.get(call.op, '?')!r}")
+        args.append(f"reduce_op={OP_NAMES.get(call.op, '?')!r}")
     if kind == BROADCAST:
         args.append(f"src={call.root}")
     if kind in (GATHER, REDUCE):
@@ -340,10 +374,3 @@ def _structure_diff(ctx: Context, kind: int, lines: List[List[str]], hint: str) 
     return (f"{name}: the ranks' collections differ: " + "; ".join(problems[:_MAX_LISTED]) + more +
             f". Every rank must pass the same keys (insertion order does not matter), container kinds, dtypes "
             f"and shapes{hint}.")
-
-
-def bytes_tensor(raw: bytes, device: torch.device) -> Tensor:
-    """``raw`` as a uint8 tensor on ``device``."""
-    if not raw:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)

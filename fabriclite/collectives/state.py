@@ -7,7 +7,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Tuple
 import torch
 from torch import Tensor
 
-from fabriclite.collectives.spec import SpecCache
+from fabriclite.collectives.structure import SpecCache
 
 _ATTR = "_fabriclite_collectives"
 
@@ -87,7 +87,7 @@ class Context:
         self.device = strategy.root_device
         #: Lightning's single-device contract (all_gather adds no dim)
         self.single_device = strategy.single_device
-        #: the group's header on this rank (header.begin makes it)
+        #: the group's header on this rank (packing.begin makes it)
         self.header: Any = None
 
     @property

@@ -5,7 +5,9 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-from fabriclite.collectives import header
+from fabriclite.collectives.header import agree
+from fabriclite.collectives.packing import begin
+from fabriclite.collectives.plans import BARRIER, Call, tag
 from fabriclite.collectives.state import Context, Strategy, state_of
 from fabriclite.distributed.rendezvous import raise_if_failed
 
@@ -20,9 +22,8 @@ def barrier(ctx: Context, name: Optional[str], check: bool) -> None:
     if not check:
         ctx.strategy.barrier(name, ctx.group)
         return
-    call = header.Call(header.BARRIER)
-    words = header.begin(ctx)
-    header.agree(ctx, words, header.exchange(ctx, words, header.tag(ctx, call), 0), call)
+    call = Call(BARRIER)
+    agree(ctx, begin(ctx), tag(ctx, call), 0, call)
 
 
 class RankZeroFailed(RuntimeError):
@@ -79,18 +80,17 @@ def _wait(store: Any, key: str) -> str:
 def _over_broadcast(strategy: Strategy) -> Iterator[None]:
     """Without a store: rank 0 runs the block, then broadcasts its outcome (the wait is then bounded by the
     collective timeout); ``local`` is treated as global."""
-    from fabriclite.collectives.broadcasting import broadcast
+    from fabriclite.collectives import broadcast
 
-    ctx = Context(strategy)
     if strategy.global_rank == 0:
         try:
             yield
         except BaseException as err:
-            broadcast(ctx, f"{type(err).__name__}: {err}", 0, True)
+            broadcast(strategy, f"{type(err).__name__}: {err}", 0)
             raise
-        broadcast(ctx, _OK, 0, True)
+        broadcast(strategy, _OK, 0)
         return
-    status = broadcast(ctx, None, 0, True)
+    status = broadcast(strategy, None, 0)
     if status != _OK:
         raise RankZeroFailed(f"rank_zero_first: rank 0 raised inside the block, so this rank (rank "
                              f"{strategy.global_rank}) did not run it: {status}")

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from fabriclite import Fabric, collectives
-from fabriclite.collectives import ops, tree
-from fabriclite.collectives.header import MAX_SIZE, TAG_ERROR, UNIT, Call, call_tag, units
-from fabriclite.collectives.pool import Pool
-from fabriclite.collectives.spec import Spec, signature
+from fabriclite.collectives import ops
+from fabriclite.collectives.header import TAG_ERROR, UNIT
+from fabriclite.collectives.packing import units
+from fabriclite.collectives.plans import MAX_SIZE, Call, call_tag, wire_and_result
 from fabriclite.collectives.state import state_of
+from fabriclite.collectives.structure import Spec, flatten, signature
+from fabriclite.collectives.unpacking import Pool, rebuild
 
 Point = namedtuple("Point", "x y")
 
@@ -98,9 +100,9 @@ def test_input_is_never_modified(fabric):
 def test_rebuild_gives_back_every_container_type():
     factory = defaultdict(list, {"k": torch.ones(1)})
     data = [OrderedDict(b=1, a=(2, Point(3, [4]))), factory, Frozen(torch.zeros(1), 5), ("s",), {}]
-    structure, leaves = tree.flatten(data)
+    structure, leaves = flatten(data)
     assert len(leaves) == 9  # the dataclass's str field is a leaf too
-    out = tree.rebuild(structure, [f"<{i}>" if not isinstance(x, str) else x for i, x in enumerate(leaves)], data)
+    out = rebuild(structure, [f"<{i}>" if not isinstance(x, str) else x for i, x in enumerate(leaves)], data)
     assert type(out) is list and type(out[0]) is OrderedDict and list(out[0]) == ["b", "a"]
     assert type(out[0]["a"][1]) is Point and out[0]["a"][1].y == ["<3>"]
     assert type(out[1]) is defaultdict and out[1].default_factory is list
@@ -121,7 +123,7 @@ def test_same_keys_in_any_insertion_order_share_a_digest():
 
 
 def _flat(data):
-    structure, leaves = tree.flatten(data)
+    structure, leaves = flatten(data)
     return structure, leaves
 
 
@@ -152,13 +154,13 @@ def test_reduce_op_spellings(spelling, name):
 
 
 def test_wire_and_result_dtypes():
-    assert ops.wire_and_result(torch.int16, "sum") == (torch.int32, torch.int16)
-    assert ops.wire_and_result(torch.int32, "mean") == (torch.int64, torch.get_default_dtype())
-    assert ops.wire_and_result(torch.int64, "mean", python_number=True) == (torch.int64, torch.float64)
-    assert ops.wire_and_result(torch.bool, "sum") == (torch.int64, torch.int64)
-    assert ops.wire_and_result(torch.bool, "band") == (torch.uint8, torch.bool)
+    assert wire_and_result(torch.int16, "sum") == (torch.int32, torch.int16)
+    assert wire_and_result(torch.int32, "mean") == (torch.int64, torch.get_default_dtype())
+    assert wire_and_result(torch.int64, "mean", python_number=True) == (torch.int64, torch.float64)
+    assert wire_and_result(torch.bool, "sum") == (torch.int64, torch.int64)
+    assert wire_and_result(torch.bool, "band") == (torch.uint8, torch.bool)
     with pytest.raises(TypeError, match="cannot be reduced"):
-        ops.wire_and_result(torch.float8_e4m3fn, "sum")
+        wire_and_result(torch.float8_e4m3fn, "sum")
 
 
 def test_header_sizes_travel_in_units_and_too_large_is_refused():
@@ -181,7 +183,7 @@ def test_call_tags_are_never_reserved_and_tell_calls_apart():
 def test_call_tags_are_the_same_in_another_process():
     code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
             "from test_collectives_single import _CALLS; "
-            "from fabriclite.collectives.header import call_tag; print(json.dumps([call_tag(c) for c in _CALLS]))")
+            "from fabriclite.collectives.plans import call_tag; print(json.dumps([call_tag(c) for c in _CALLS]))")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert json.loads(out.stdout) == [call_tag(c) for c in _CALLS]

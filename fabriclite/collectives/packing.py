@@ -1,0 +1,366 @@
+"""Stage 3 of every collective: the leaves packed for the wire, and the buffers they are packed into.
+
+Every call first takes its group's header row (``begin``: ``Words``, reused across calls). A reduction's
+leaves are written straight into the row's payload when they fit there (the header exchange then carries the
+data: one collective in all), else into one flat wire buffer per bucket; an all_gather's leaves become one byte
+row (varying dims, fixed buckets, varying tensors, pickled objects), written into the payload when it fits; a
+broadcast's object becomes a message (its pickle with the tensors left out, then the tensors' bytes). Each rank's
+row length travels in its header in UNIT-byte units (``units``; ValueError beyond what one call carries).
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from collections import deque
+from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from fabriclite.collectives.header import CAPACITY, HISTORY, MAX_WIDTH, UNIT
+from fabriclite.collectives.plans import MAX_SIZE, Bucket, GatherPlan, Layout, Plan, align
+from fabriclite.collectives.state import Context
+from fabriclite.collectives.unpacking import POOL_MIN_BYTES, SKELETON_AT, Slot, pool_of
+
+_item = Tensor.item
+#: wire dtypes numpy can write directly
+_NUMPY = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64", torch.int8: "int8",
+          torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64", torch.bool: "bool",
+          torch.complex64: "complex64", torch.complex128: "complex128"}
+_CPU = torch.device("cpu")
+
+
+def units(nbytes: int) -> int:
+    """``nbytes`` in UNIT-byte units, rounded up; ValueError beyond what a header word carries."""
+    n = -(-nbytes // UNIT)
+    if n > MAX_SIZE:
+        raise ValueError(f"{nbytes} bytes from one rank in one call is more than a collective carries "
+                         f"({MAX_SIZE * UNIT} bytes); split the data over several calls.")
+    return n
+
+
+# ---------------------------------------------------------------------------------------------- header rows
+def max_width(size: int) -> int:
+    """The widest header row for a group of ``size``: 8 KiB for small groups, shrinking so the exchanged
+    headers stay near 32 KiB; a power of two, at least 2."""
+    width = 2
+    while width * 2 <= min(MAX_WIDTH, 4096 // max(size, 1)):
+        width *= 2
+    return width
+
+
+class Words:
+    """One header buffer of a group on this rank, reused across calls: ``width`` int64 words per rank,
+    this rank's inline ``payload`` region (``capacity`` bytes, uint8; ``payload_np``: the same memory as a
+    numpy array on CPU, else None); a row of at most ``room`` bytes rides inline. ``gathered`` holds every
+    rank's words after the exchange (width 1: an int64 SUM all_reduce with this rank's word at its index and
+    zeros elsewhere; wider rows: an all_gather), ``rows`` every rank's payload. Nothing handed to a caller
+    is a view of it."""
+
+    def __init__(self, owner: "Header", width: int) -> None:
+        size, index, device = owner.size, owner.index, owner.device
+        self.owner, self.width, self.size = owner, width, size
+        self.capacity = CAPACITY if width == 1 else 8 * (width - 1)
+        self.room = CAPACITY if width == 1 else self.capacity // UNIT * UNIT
+        self.gathered = torch.zeros((size, width), dtype=torch.int64, device=device)
+        self.mine = self.gathered[index] if width == 1 else torch.zeros(width, dtype=torch.int64, device=device)
+        self.payload = self.mine.view(torch.uint8)[:self.capacity]
+        self.own_rows = self.rows = self.gathered.view(torch.uint8)[:, :self.capacity]
+        self.result = self.gathered
+        self.sized = False
+        cpu = self.gathered.device.type == "cpu"
+        self.numpy = self.gathered.numpy() if cpu else None
+        mine_np = self.mine.numpy() if cpu else None
+        self.halves = mine_np.view("uint32") if mine_np is not None else None
+        #: every rank's last word as (low, tag) uint32 pairs, read straight from the exchanged buffer
+        self.last_halves = self.numpy[:, -1:].view("uint32") if self.numpy is not None else None
+        self.payload_np = mine_np.view("uint8")[:self.capacity] if mine_np is not None else None
+
+
+class Header:
+    """The header of one group on this rank: its buffers by width and the recent payload sizes that set the
+    next call's width (``header.agree`` records them). Every rank of the group sees the same calls agree, so
+    every rank computes the same width for the next call: the exchange always matches up."""
+
+    def __init__(self, size: int, index: int, device: torch.device) -> None:
+        self.size, self.index, self.device = size, index, device
+        self.limit = max_width(size)
+        self.needs: Deque[int] = deque([1], maxlen=HISTORY)
+        self.width = 1
+        self.buffers: Dict[int, Words] = {}
+
+
+def begin(ctx: Context) -> Words:
+    """This group's header buffer for the next call, cleared (the all_reduce form needs every other rank's
+    word zero): pack this rank's inline payload into it, then ``header.agree``."""
+    state = ctx.header
+    if state is None:
+        key = (ctx.group, ctx.device)
+        state = ctx.state.headers.get(key)
+        if state is None:
+            state = ctx.state.headers[key] = Header(ctx.size, ctx.index, ctx.device)
+        ctx.header = state
+    words = state.buffers.get(state.width)
+    if words is None:
+        words = state.buffers[state.width] = Words(state, state.width)
+    if words.width == 1:
+        if words.numpy is not None:
+            words.numpy[:] = 0
+        else:
+            words.gathered.zero_()
+    return words
+
+
+# ---------------------------------------------------------------------------------------------- reductions
+class Packed(NamedTuple):
+    """A reduction's leaves on the wire: the header row ``words`` (None: no header exchange); ``inline``: the
+    data is in its payload, nothing else to send; else per bucket ``(wire buffer, divided, slot, source)``:
+    ``divided``, a mean was (or the wire divides it) before the sum; ``slot``, the reused buffer (pool slot) a
+    large single tensor ``source`` is copied into by the wire while it is reduced; or, ``inplace``, ``source``
+    is the caller's tensor, divided in place by the wire. ``low``: the header's low half (this row's size in
+    units), or None when the payload fills it."""
+
+    words: Optional[Words]
+    inline: bool
+    buffers: List[Tuple[Tensor, bool, Optional[Slot], Optional[Tensor]]]
+    low: Optional[int]
+
+
+def pack_reduce(ctx: Context, plan: Plan, leaves: Sequence[Any], header: bool) -> Packed:
+    """A reduction's leaves into the payload of the group's header row (``words``, when ``header``) when they
+    fit, else one wire buffer per bucket (a mean over a power-of-two group divided while packing; a large
+    single tensor left for the wire to copy into a reused buffer; ``inplace``: the caller's contiguous tensor
+    is its own wire buffer)."""
+    words = begin(ctx) if header else None
+    used = plan.layout.used
+    inline = words is not None and used <= words.room
+    low = None if words is None or (inline and words.width == 1) else units(used)
+    if inline:
+        assert words is not None
+        write_inline(plan.buckets, leaves, words.payload, words.payload_np, ctx.device, plan.divisors)
+        return Packed(words, True, [], low)
+    out: List[Tuple[Tensor, bool, Optional[Slot], Optional[Tensor]]] = []
+    for k, bucket in enumerate(plan.buckets):
+        divisor = plan.divisors[k]
+        direct = leaves[bucket.ids[0]] if plan.inplace and plan.direct[k] else None
+        if direct is not None and direct.is_contiguous():  # a mean divided in place by the wire, chunk by chunk
+            split = divisor is not None and ctx.size > 1  # while the chunks before are reduced
+            out.append((direct, split, None, direct if split else None))
+        elif ctx.size == 1:  # one rank: the reduction of one row is a copy
+            out.append((pack(bucket, leaves, ctx.device, copy=True), False, None, None))
+        elif plan.inplace or not _large_single(bucket, leaves):
+            out.append((pack(bucket, leaves, ctx.device, copy=True, divisor=divisor), divisor is not None, None,
+                        None))
+        else:  # a reused wire buffer (warm memory: no page faults); the wire copies the tensor into it
+            shape = bucket.shapes[0]
+            slot = pool_of(bucket, "wire", lambda b: (b.view(shape),)).acquire((bucket.numel,), bucket.wire,
+                                                                               ctx.device)
+            out.append((slot.buffer, divisor is not None, slot, leaves[bucket.ids[0]]))
+    return Packed(words, False, out, low)
+
+
+def _large_single(bucket: Bucket, leaves: Sequence[Any]) -> bool:
+    return (bucket.mode == "single" and bucket.nbytes >= POOL_MIN_BYTES and bucket.wire == bucket.result
+            and leaves[bucket.ids[0]].dtype == bucket.wire)
+
+
+def pack(bucket: Bucket, leaves: Sequence[Any], device: torch.device, copy: bool,
+         divisor: Optional[int] = None) -> Tensor:
+    """The bucket's leaves (canonical order) as one flat ``bucket.wire`` tensor on ``device``, divided by
+    ``divisor`` when given. ``copy=False`` may return a view of the caller's single tensor (never to be
+    written to)."""
+    items = leaves if bucket.take is None else bucket.take(leaves)
+    wire, mode = bucket.wire, bucket.mode
+    if mode == "single":
+        flat = items[0].reshape(-1)
+        if divisor is not None:
+            return torch.div(flat, divisor).to(device=device, dtype=wire)
+        if flat.dtype != wire or flat.device != device:
+            return flat.to(device=device, dtype=wire)
+        return flat.clone() if copy else flat
+    if mode == "numbers":
+        buf = torch.tensor(items, dtype=wire, device=device)
+    elif mode == "scalars":
+        buf = torch.tensor(list(map(_item, items)), dtype=wire)
+        buf = buf if device == _CPU else buf.to(device)
+    else:
+        buf = torch.cat([_flat(x, wire, device) for x in items])
+    if bucket.perm is not None:  # packed in the caller's order: to the canonical order on the wire
+        buf = buf.index_select(0, bucket.index[device][0])
+    return buf.div_(divisor) if divisor is not None else buf
+
+
+def write_inline(buckets: Sequence[Bucket], leaves: Sequence[Any], dest: Tensor, dest_np: Any,
+                 device: torch.device, divisors: Optional[Sequence[Optional[int]]] = None) -> None:
+    """Pack ``buckets`` at their offsets into ``dest`` (uint8; ``dest_np``: the same memory as a numpy
+    array, or None): 0-d buckets go straight from Python values into the bytes (no tensor per call), each
+    divided by its ``divisors`` entry when given (a mean over a power-of-two group; exact)."""
+    for k, bucket in enumerate(buckets):
+        divisor = divisors[k] if divisors is not None else None
+        region = _region(bucket, dest_np) if dest_np is not None and bucket.scalar else None
+        if region is None:
+            part = as_bytes(pack(bucket, leaves, device, copy=False, divisor=divisor))
+            dest[bucket.offset:bucket.offset + part.numel()].copy_(part)
+            continue
+        items = leaves if bucket.take is None else bucket.take(leaves)
+        if len(items) == 1:
+            value = items[0].item() if bucket.mode == "scalars" else items[0]
+            region[0] = value / divisor if divisor is not None else value
+            continue
+        values = list(map(_item, items)) if bucket.mode == "scalars" else items
+        if bucket.perm is None:
+            region[:] = values
+        else:
+            region[bucket.inverse_np] = values
+        if divisor is not None:
+            region /= divisor
+
+
+def _region(bucket: Bucket, dest_np: Any) -> Any:
+    """The bucket's part of the numpy payload ``dest_np``, typed (None for a dtype numpy cannot write);
+    made once per bucket and payload."""
+    cached = bucket.cache.get("inline region")
+    if cached is None or cached[0] is not dest_np:
+        np_dtype = _NUMPY.get(bucket.wire)
+        region = dest_np[bucket.offset:bucket.offset + bucket.nbytes].view(np_dtype) if np_dtype else None
+        cached = bucket.cache["inline region"] = (dest_np, region)
+    return cached[1]
+
+
+def _flat(x: Any, wire: torch.dtype, device: torch.device) -> Tensor:
+    if isinstance(x, Tensor):
+        return x.reshape(-1).to(device=device, dtype=wire)
+    return torch.tensor([x], dtype=wire, device=device)
+
+
+def as_bytes(t: Tensor) -> Tensor:
+    """``t``'s bytes as a flat uint8 tensor (a view when ``t`` is contiguous)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _bytes_tensor(raw: bytes, device: torch.device) -> Tensor:
+    if not raw:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+
+def _write(dest: Tensor, parts: Sequence[Tuple[int, Tensor]]) -> None:
+    for offset, part in parts:
+        dest[offset:offset + part.numel()].copy_(part)
+
+
+# ---------------------------------------------------------------------------------------------- gathers
+class Row:
+    """This rank's all_gather row: the header row ``words`` (None: no header exchange), its ``length``,
+    ``low`` (its length in UNIT-byte units; None when it fills a width-1 header), and either ``inline`` (written
+    into the header's payload) or ``parts`` ((byte offset, uint8 tensor)) the wire assembles; ``slot``: the
+    reused output buffer one large tensor is gathered into."""
+
+    def __init__(self, words: Optional[Words], length: int, low: Optional[int], inline: bool,
+                 parts: List[Tuple[int, Tensor]], slot: Optional[Slot] = None) -> None:
+        self.words, self.length, self.low, self.inline, self.parts, self.slot = words, length, low, inline, parts, slot
+
+
+def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], header: bool) -> Row:
+    """This rank's row (raises what packing or pickling raises, or ValueError for a row too long for one
+    call): written straight into the payload of the group's header row (``words``, when ``header``) when it
+    fits there, else as parts."""
+    words = begin(ctx) if header else None
+    layout = plan.layout
+    if words is not None and words.width == 1:  # 4 bytes: only a fixed row, the same length on every rank
+        if layout.fixed_only and layout.used <= words.room:
+            write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device)
+            return Row(words, layout.used, None, True, [])
+    extra = []
+    if layout.nvar:
+        var = _var_words(layout, leaves)
+        extra.append((0, as_bytes(torch.tensor(var, dtype=torch.int64, device=ctx.device))))
+    offset = layout.fixed_end
+    for i in layout.var_ids:
+        raw = as_bytes(leaves[i].to(ctx.device))
+        extra.append((offset, raw))
+        offset = align(offset + raw.numel())
+    length = offset
+    if layout.object_ids:  # self-delimiting: the padding after it is ignored when loading
+        blob = pickle.dumps([leaves[i] for i in layout.object_ids], protocol=pickle.HIGHEST_PROTOCOL)
+        extra.append((offset, _bytes_tensor(blob, ctx.device)))
+        length = offset + len(blob)
+    low = units(length)
+    if words is not None and words.width > 1 and length <= words.room:
+        write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device)
+        _write(words.payload, extra)
+        return Row(words, length, low, True, [])
+    parts = [(b.offset, as_bytes(pack(b, leaves, ctx.device, copy=False))) for b in layout.buckets] + extra
+    buckets, slot = layout.buckets, None
+    if ctx.size > 1 and layout.fixed_only and len(buckets) == 1 and buckets[0].mode == "single" \
+            and low * UNIT == buckets[0].nbytes >= POOL_MIN_BYTES:  # gathered into a reused buffer
+        bucket, size, shape = buckets[0], ctx.size, buckets[0].shapes[0]
+        pool = pool_of(bucket, f"gathered{size}", lambda b: (b.view(size, *shape),))
+        slot = pool.acquire((size, bucket.numel), bucket.wire, ctx.device)
+    return Row(words, length, low, False, parts, slot)
+
+
+def _var_words(layout: Layout, leaves: Sequence[Any]) -> List[int]:
+    shapes = [leaves[i].shape for i in layout.var_ids]
+    if layout.var_dims == "first":
+        return [s[0] for s in shapes]
+    return [d for s in shapes for d in s]
+
+
+# ---------------------------------------------------------------------------------------------- broadcasts
+class _Pickler(pickle.Pickler):
+    """Pickles everything but tensors; each tensor becomes a reference (index, dtype, shape)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: List[Tensor] = []
+
+    def persistent_id(self, obj: Any) -> Optional[Tuple[int, str, Tuple[int, ...]]]:
+        if isinstance(obj, Tensor):
+            self.tensors.append(obj)
+            return (len(self.tensors) - 1, str(obj.dtype).replace("torch.", ""), tuple(obj.shape))
+        return None
+
+
+class Message(NamedTuple):
+    """A broadcast's object as ``skeleton`` (its pickle, tensors left out) and the tensors' bytes ``parts``
+    ((offset, uint8 tensor), ``nbytes`` in all); ``message``: the whole as parts (skeleton length, skeleton,
+    tensor bytes), ``length`` bytes, ``low`` units; the header row ``words`` (None: no header exchange);
+    ``inline``: the message is written into its payload."""
+
+    words: Optional[Words]
+    skeleton: bytes
+    parts: List[Tuple[int, Tensor]]
+    nbytes: int
+    message: List[Tuple[int, Tensor]]
+    length: int
+    low: int
+    inline: bool
+
+
+def pack_message(ctx: Context, obj: Any, is_src: bool, header: bool) -> Message:
+    """``src``'s message (other ranks: an empty one), written into the payload of the group's header row
+    (``words``, when ``header``) when it fits; without a header, only the skeleton and the tensors' bytes."""
+    words = begin(ctx) if header else None
+    skeleton, parts, nbytes = b"", [], 0
+    if is_src:
+        out = io.BytesIO()
+        pickler = _Pickler(out)
+        pickler.dump(obj)
+        skeleton = out.getvalue()
+        for t in pickler.tensors:
+            raw = as_bytes(t.detach().to(ctx.device))
+            parts.append((nbytes, raw))
+            nbytes = align(nbytes + raw.numel())
+    if words is None or not is_src:
+        return Message(words, skeleton, parts, nbytes, [], 0, 0, False)
+    data_at = align(SKELETON_AT + len(skeleton))
+    head = as_bytes(torch.tensor([len(skeleton)], dtype=torch.int64, device=ctx.device))
+    message = [(0, head), (SKELETON_AT, _bytes_tensor(skeleton, ctx.device))]
+    message += [(data_at + off, raw) for off, raw in parts]
+    length = data_at + nbytes
+    low = units(length)
+    inline = words.width > 1 and length <= words.room
+    if inline:
+        _write(words.payload, message)
+    return Message(words, skeleton, parts, nbytes, message, length, low, inline)

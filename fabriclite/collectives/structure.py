@@ -1,0 +1,261 @@
+"""Stage 1 of every collective: the caller's collection taken apart, and what its structure is.
+
+``flatten`` gives the leaves in the caller's order and a hashable structure (``Tree``); ``SpecCache.get`` gives
+the structure's ``Spec``, made once per structure and leaf signature: each leaf's kind and tensor metadata, the
+canonical leaf order, and, per collective mode, the lines every rank compares and their digest. The way back
+(``rebuild``) is the last stage, in unpacking.py.
+
+Containers are mappings (dict, OrderedDict, defaultdict, any ``Mapping``), lists, tuples, namedtuples and
+dataclass instances; everything else (tensors, numbers, strings, arbitrary objects) is a leaf. A structure is a
+nested tuple that compares equal for two collections of the same shape, container types and keys, so it can key
+a cache; the spec cache keys by it and by a signature of the leaves (type, dtype, shape, device of every leaf;
+one entry when they are all alike), so anything that changes a digest or a bucket changes the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import operator
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+#: the structure of a single leaf
+LEAF = 0
+#: (kind, container type, keys or length or field names, children or None when every child is a leaf,
+#:  extra: a defaultdict's default_factory)
+Tree = Any
+MAPPING, SEQUENCE, NAMEDTUPLE, DATACLASS = "M", "S", "N", "D"
+_KINDS: Dict[type, str] = {}
+
+TENSOR, NUMBER, OBJECT = "T", "N", "O"
+#: Python number type -> the exact dtype it travels in
+NUMBER_DTYPES: Dict[type, torch.dtype] = {bool: torch.bool, int: torch.int64, float: torch.float64,
+                                          complex: torch.complex128}
+_NUMBER_NAMES = {torch.bool: "bool", torch.int64: "int", torch.float64: "float", torch.complex128: "complex"}
+_dtype = operator.attrgetter("dtype")
+_shape = operator.attrgetter("shape")
+_device = operator.attrgetter("device")
+_dim = Tensor.dim
+_is_cpu = operator.attrgetter("is_cpu")
+_CPU = torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------- flatten
+def container_kind(cls: type) -> str:
+    """"M", "S", "N" or "D" for a container type, "" for a leaf type (memoised per type)."""
+    kind = _KINDS.get(cls)
+    if kind is None:
+        if issubclass(cls, Tensor) or issubclass(cls, (str, bytes)):
+            kind = ""
+        elif issubclass(cls, Mapping):
+            kind = MAPPING
+        elif issubclass(cls, tuple) and hasattr(cls, "_fields"):
+            kind = NAMEDTUPLE
+        elif issubclass(cls, (list, tuple)):
+            kind = SEQUENCE
+        elif dataclasses.is_dataclass(cls):
+            kind = DATACLASS
+        else:
+            kind = ""
+        _KINDS[cls] = kind
+    return kind
+
+
+def _all_leaves(values: Sequence[Any]) -> bool:
+    return not any(container_kind(cls) for cls in set(map(type, values)))
+
+
+def flatten(data: Any) -> Tuple[Tree, List[Any]]:
+    """``(structure, leaves)``: the leaves in the caller's order (mapping insertion order, sequence order,
+    dataclass field order)."""
+    leaves: List[Any] = []
+    return _walk(data, leaves), leaves
+
+
+def _walk(x: Any, leaves: List[Any]) -> Tree:
+    cls = type(x)
+    kind = container_kind(cls)
+    if not kind:
+        leaves.append(x)
+        return LEAF
+    extra = None
+    if kind == MAPPING:
+        keys: Any = tuple(x.keys())
+        values = list(x.values()) if isinstance(x, dict) else [x[k] for k in keys]
+        extra = getattr(x, "default_factory", None)
+    elif kind == DATACLASS:
+        keys = tuple(f.name for f in dataclasses.fields(x))
+        values = [getattr(x, name) for name in keys]
+    else:
+        values = list(x)
+        keys = len(values)
+    if _all_leaves(values):
+        leaves.extend(values)
+        return (kind, cls, keys, None, extra)
+    return (kind, cls, keys, tuple(_walk(v, leaves) for v in values), extra)
+
+
+def leaf_paths(tree: Tree) -> List[Tuple[Tuple[Any, ...], str]]:
+    """For each leaf in the caller's order: (sort key, path text). Sorting by the sort key gives the
+    canonical order (mapping keys sorted, so two ranks with the same keys in a different insertion order
+    meet by key); the path text (``['a'][0].x``) names the leaf in error messages and structure digests."""
+    out: List[Tuple[Tuple[Any, ...], str]] = []
+    _paths(tree, (), "", out)
+    return out
+
+
+def _paths(tree: Tree, key: Tuple[Any, ...], text: str, out: List[Tuple[Tuple[Any, ...], str]]) -> None:
+    if tree is LEAF:
+        out.append((key, text or "<root>"))
+        return
+    kind, cls, keys, children, _ = tree
+    if kind == MAPPING:
+        steps = [((0, type(k).__qualname__, repr(k)), f"[{k!r}]") for k in keys]
+    elif kind == DATACLASS:
+        steps = [((2, i, name), f".{name}") for i, name in enumerate(keys)]
+    else:
+        steps = [((1, i, ""), f"[{i}]") for i in range(keys)]
+    for i, (sort, step) in enumerate(steps):
+        child = LEAF if children is None else children[i]
+        _paths(child, key + (sort,), text + step, out)
+
+
+# ---------------------------------------------------------------------------------------------- spec
+def number_dtype(cls: type) -> Optional[torch.dtype]:
+    """The dtype a Python number of class ``cls`` travels in (bool before int: bool is an int)."""
+    for base, dtype in NUMBER_DTYPES.items():
+        if issubclass(cls, base):
+            return dtype
+    return None
+
+
+def signature(leaves: Sequence[Any]) -> Hashable:
+    """A hashable summary of the leaves' types and tensor metadata: equal signatures mean equal metadata."""
+    if len(leaves) == 1:
+        x = leaves[0]
+        if isinstance(x, Tensor):
+            return ("one", type(x), x.dtype, x.shape, x.device)
+    types = set(map(type, leaves))
+    if len(types) == 1 and leaves:
+        cls = next(iter(types))
+        if issubclass(cls, Tensor):
+            dtypes = set(map(_dtype, leaves))
+            if len(dtypes) == 1:
+                dims = set(map(_dim, leaves))
+                shapes = {()} if dims == {0} else set(map(_shape, leaves))
+                devices = {_CPU} if all(map(_is_cpu, leaves)) else set(map(_device, leaves))
+                if len(shapes) == 1 and len(devices) == 1:
+                    return ("alike", cls, dtypes.pop(), tuple(shapes.pop()), devices.pop(), len(leaves))
+        elif cls in NUMBER_DTYPES:
+            return ("alike", cls, len(leaves))
+    return tuple((type(x), x.dtype, tuple(x.shape), x.device) if isinstance(x, Tensor) else type(x) for x in leaves)
+
+
+@dataclass
+class Leaf:
+    """One leaf's kind (TENSOR, NUMBER or OBJECT), dtype (a number's travel dtype), shape and device."""
+
+    kind: str
+    dtype: Optional[torch.dtype] = None
+    shape: Tuple[int, ...] = ()
+    device: Optional[torch.device] = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class Spec:
+    """Everything about one structure that does not depend on the leaves' values. ``lines[mode]`` and
+    ``digests[mode]`` hold what ``describe`` / ``digest`` gave for a mode; ``plans`` is the plan stage's cache."""
+
+    def __init__(self, tree: Tree, leaves: Sequence[Any], alike: bool) -> None:
+        self.tree = tree
+        self.leaves = [_leaf(x) for x in leaves]
+        self.alike = alike
+        paths = leaf_paths(tree)
+        self.paths = [text for _, text in paths]
+        self.order = sorted(range(len(paths)), key=lambda i: paths[i][0])
+        self.digests: Dict[str, Tuple[int, int]] = {}
+        self.lines: Dict[str, List[str]] = {}
+        self.plans: Dict[Any, Any] = {}
+
+    def describe(self, mode: str) -> List[str]:
+        """One line per leaf, canonical order: ``path: description`` where the description holds what must
+        agree across ranks for ``mode`` ("reduce", "stack", "cat", "gather")."""
+        lines = self.lines.get(mode)
+        if lines is None:
+            lines = self.lines[mode] = [f"{self.paths[i]}: {_describe(self.leaves[i], mode)}" for i in self.order]
+        return lines
+
+    def digest(self, mode: str) -> Tuple[int, int]:
+        """128-bit digest of ``describe(mode)`` as two signed int64 words (stable across processes)."""
+        words = self.digests.get(mode)
+        if words is None:
+            raw = hashlib.blake2b("\n".join(self.describe(mode)).encode(), digest_size=16).digest()
+            words = (int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:], "little", signed=True))
+            self.digests[mode] = words
+        return words
+
+
+def _leaf(x: Any) -> Leaf:
+    if isinstance(x, Tensor):
+        return Leaf(TENSOR, x.dtype, tuple(x.shape), x.device)
+    dtype = number_dtype(type(x))
+    if dtype is not None:
+        return Leaf(NUMBER, dtype)
+    return Leaf(OBJECT)
+
+
+def _describe(leaf: Leaf, mode: str) -> str:
+    if leaf.kind == OBJECT or (leaf.kind == NUMBER and mode == "gather"):
+        return "object" if leaf.kind == OBJECT else "Python number"
+    if leaf.kind == NUMBER:
+        assert leaf.dtype is not None
+        return f"Python {_NUMBER_NAMES[leaf.dtype]}"
+    dtype = str(leaf.dtype).replace("torch.", "")
+    if mode == "gather":
+        return f"{dtype} tensor with {len(leaf.shape)} dims"
+    if mode == "cat" and leaf.shape:
+        rest = ", ".join(map(str, leaf.shape[1:]))
+        return f"{dtype} tensor of shape (*{', ' + rest if rest else ''})"
+    return f"{dtype} tensor of shape {tuple(leaf.shape)}"
+
+
+class SpecCache:
+    """A bounded LRU of Specs keyed by (structure, leaf signature)."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._specs: "OrderedDict[Any, Spec]" = OrderedDict()
+
+    def get(self, tree: Tree, leaves: Sequence[Any], mode: str) -> Spec:
+        """The Spec of ``tree`` holding ``leaves``, with ``lines[mode]`` and ``digests[mode]`` made."""
+        sig = signature(leaves)
+        key = (tree, sig)
+        try:
+            spec = self._specs[key]
+        except (KeyError, TypeError):
+            spec = Spec(tree, leaves, alike=isinstance(sig, tuple) and bool(sig) and sig[0] == "alike")
+            try:
+                self._specs[key] = spec
+            except TypeError:  # an unhashable key (a dict key or default_factory): not cached
+                pass
+            else:
+                if len(self._specs) > self.capacity:
+                    self._specs.popitem(last=False)
+        if mode not in spec.digests:
+            spec.digest(mode)
+        return spec
+
+    def clear(self) -> None:
+        self._specs.clear()
+

@@ -1,0 +1,393 @@
+"""Stages 6 and 7 of every collective: unpack (a result per leaf) and rebuild (the caller's containers).
+
+A reduced buffer becomes the caller's view of it (a mean divided, the result dtype) split into per-leaf
+results, or, with ``inplace=True``, written into the caller's own tensors; gathered rows are split into
+stacked (or concatenated) leaves and pickled leaves loaded; a broadcast's message is unpickled, its tensors
+read from the bytes after it. ``rebuild`` gives back the caller's own container types and key order.
+
+Result buffers are reused across calls once nothing outside can see them (``Pool``): a tensor per leaf
+(``unbind``) costs more than the collective for a dict of many scalars, and a fresh multi-megabyte buffer a
+page fault per page on first touch.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import math
+import operator
+import pickle
+import sys
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fabriclite.collectives.autograd import attach_gather_grads
+from fabriclite.collectives.header import Gathered
+from fabriclite.collectives.plans import Bucket, GatherPlan, Layout, Plan, align
+from fabriclite.collectives.state import Context
+from fabriclite.collectives.structure import DATACLASS, LEAF, MAPPING, NAMEDTUPLE, TENSOR, Spec, Tree
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_requires_grad = operator.attrgetter("requires_grad")
+_copy_all = getattr(torch, "_foreach_copy_", None)
+POOL_DEPTH = 3
+#: buckets with fewer 0-d leaves than this just unbind (a few new tensors cost less than the checks)
+POOL_MIN_LEAVES = 8
+#: single tensors at least this large reuse their wire buffer
+POOL_MIN_BYTES = 1 << 16
+#: results of a bucket larger than this are copied out leaf by leaf, so one kept leaf does not pin the bucket
+DETACH_BYTES = 1 << 20
+#: where the skeleton starts in a broadcast message (after its int64 length)
+SKELETON_AT = 16
+Views = Callable[[Tensor], Sequence[Tensor]]
+
+
+# ---------------------------------------------------------------------------------------------- pool
+class Slot:
+    """One buffer and the views of it handed out; ``commit`` after writing to it."""
+
+    def __init__(self, buffer: Tensor, make_views: Views) -> None:
+        self.buffer = buffer
+        self.views = tuple(make_views(buffer))
+        self.commit()
+
+    def _uses(self) -> int:
+        return int(_use_count(self.buffer.untyped_storage()._cdata)) if _use_count is not None else -1
+
+    def commit(self) -> None:
+        """Record the buffer's state as handed out (after the last write to it). The memory's expected
+        users are the buffer, its views and the storage handle ``_uses`` makes; counted, not measured,
+        since a backend may still hold the buffer of a finished collective for a moment."""
+        self.version = self.buffer._version
+        self.uses = 2 + len(self.views)
+
+    def free(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
+        buffer = self.buffer
+        return (buffer.shape == shape and buffer.dtype == dtype and buffer.device == device
+                and buffer._version == self.version and self._uses() == self.uses
+                and set(map(sys.getrefcount, self.views)) == {2} and not any(map(_requires_grad, self.views)))
+
+
+class Pool:
+    """Up to POOL_DEPTH slots whose views are made by ``make_views`` (default: ``unbind``). A slot's view objects
+    are handed out again, with new values, once no Python reference to any of them is left, no other tensor
+    shares the buffer's memory (a view, ``.numpy()``, a tensor saved for backward), and no in-place change and
+    no ``requires_grad`` happened since; otherwise a new buffer is used, so results a caller keeps never change."""
+
+    def __init__(self, make_views: Views = Tensor.unbind) -> None:
+        self.make_views = make_views
+        self.slots: List[Slot] = []
+
+    def _free(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Any:
+        if _use_count is None:
+            return None
+        for slot in self.slots:
+            if slot.free(shape, dtype, device):
+                return slot
+        return None
+
+    def _keep(self, slot: Slot) -> Slot:
+        if _use_count is not None and len(self.slots) < POOL_DEPTH:
+            self.slots.append(slot)
+        return slot
+
+    def views(self, result: Tensor) -> Sequence[Tensor]:
+        """Views holding ``result``'s values: a free slot's, refilled, or ``result``'s own (kept as a slot)."""
+        slot = self._free(tuple(result.shape), result.dtype, result.device)
+        if slot is None:
+            return self._keep(Slot(result, self.make_views)).views
+        slot.buffer.copy_(result)
+        slot.commit()
+        return slot.views
+
+    def acquire(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Slot:
+        """A slot to write into (a free one, or a new empty buffer); ``commit`` it once written."""
+        slot = self._free(shape, dtype, device)
+        if slot is None:
+            slot = self._keep(Slot(torch.empty(shape, dtype=dtype, device=device), self.make_views))
+        return slot
+
+
+def pool_of(owner: Any, kind: str, make_views: Views = Tensor.unbind) -> Pool:
+    """The pool named ``kind`` kept on ``owner`` (a Bucket) in its ``cache`` dict."""
+    pool = owner.cache.get(kind)
+    if pool is None:
+        pool = owner.cache[kind] = Pool(make_views)
+    return pool
+
+
+# ---------------------------------------------------------------------------------------------- reductions
+def reduced(ctx: Context, plan: Plan, leaves: Sequence[Any], wired: List[Tuple[Any, Optional[Slot]]], tree: Tree,
+            data: Any, keep: bool) -> Any:
+    """A reduction's result from ``wired`` (per bucket: the reduced buffer or numpy array, its pool slot):
+    ``data`` rebuilt with reduced tensors and numbers as tensors, other leaves as they were, and with
+    ``inplace`` the caller's own tensors holding the result; None where not ``keep`` (the caller's tensors
+    written all the same)."""
+    outs = list(leaves)
+    inplace = plan.inplace
+    for k, bucket in enumerate(plan.buckets):
+        flat, slot = wired[k]
+        if isinstance(flat, np.ndarray):
+            pieces = _numpy_pieces(flat, bucket)
+        elif inplace and bucket.mode == "single" and flat is leaves[bucket.ids[0]]:
+            pieces = (flat,)  # reduced where it is
+        elif slot is not None and flat is slot.buffer:
+            slot.commit()
+            pieces = slot.views
+        else:
+            pieces = _split_flat(flat, bucket)
+        if inplace and plan.tensors[k]:
+            pieces = _into_callers(plan, bucket, leaves, pieces)
+        outs = _place_results(outs, bucket, pieces)
+        if bucket.elsewhere[ctx.device] and not inplace:
+            _to_devices(outs, bucket.ids, bucket.devices, ctx.device)
+    return rebuild(tree, outs, data) if keep else None
+
+
+def _numpy_pieces(values: Any, bucket: Bucket) -> Sequence[Tensor]:
+    """Per-leaf 0-d tensors from the reduced values of a 0-d bucket (canonical order), in the caller's order
+    for a whole bucket."""
+    if bucket.perm is not None:
+        values = values[bucket.inverse_np]
+    if len(values) == 1:
+        return (torch.from_numpy(values.reshape(())),)
+    flat = torch.from_numpy(values)
+    return pool_of(bucket, "flat").views(flat) if len(values) >= POOL_MIN_LEAVES else flat.unbind()
+
+
+def _split_flat(flat: Tensor, bucket: Bucket) -> Sequence[Tensor]:
+    """A reduced bucket ``(numel,)`` as one tensor per leaf, shaped like the leaves: in the caller's order
+    for a whole 0-d bucket, else in the bucket's (canonical) order."""
+    if bucket.scalar:
+        if bucket.perm is not None:
+            flat = flat.index_select(0, bucket.index[flat.device][1])
+        return pool_of(bucket, "flat").views(flat) if len(bucket.ids) >= POOL_MIN_LEAVES else flat.unbind()
+    if bucket.mode == "single":
+        return (flat.view(bucket.shapes[0]),)
+    pieces = [p.view(s) for p, s in zip(flat.split(bucket.numels), bucket.shapes)]
+    if flat.numel() * flat.element_size() > DETACH_BYTES:
+        pieces = [p.clone() for p in pieces]
+    return pieces
+
+
+def _into_callers(plan: Plan, bucket: Bucket, leaves: Sequence[Any], pieces: Sequence[Any]) -> List[Any]:
+    """``inplace``: the results of the bucket's tensor leaves copied into the caller's tensors, which take
+    their places among the results (numbers keep their new tensors)."""
+    ids = bucket.ids if not (bucket.whole and bucket.scalar) else range(len(bucket.ids))
+    out = list(pieces)
+    targets, sources = [], []
+    for k, i in enumerate(ids):
+        leaf = leaves[i]
+        if plan.leaf_kinds[i] == TENSOR:
+            if out[k] is not leaf:
+                targets.append(leaf)
+                sources.append(out[k])
+            out[k] = leaf
+    if targets:
+        if _copy_all is not None:
+            _copy_all(targets, sources)
+        else:  # pragma: no cover - torch without _foreach_copy_
+            for target, source in zip(targets, sources):
+                target.copy_(source)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- gathers
+def gathered(ctx: Context, spec: Spec, plan: GatherPlan, leaves: Sequence[Any], got: Gathered, tree: Tree,
+             data: Any, sync_grads: bool) -> Any:
+    """An all_gather's result: ``data`` rebuilt with every rank's leaves, stacked ``(size, *shape)`` for fixed
+    leaves, concatenated for var tensors, lists for objects (one process without process groups: no stacking
+    dim). ``sync_grads``: differentiable outputs for the inputs that require grad."""
+    layout = plan.layout
+    outs: List[Any] = list(leaves)
+    shapes: List[List[Tuple[int, ...]]] = [[] for _ in layout.var_ids]
+    with torch.no_grad():
+        for k, bucket in enumerate(layout.buckets):
+            pieces = got.slot.views if got.slot is not None else _split_stacked(got.regions[k], bucket)
+            outs = _place_results(outs, bucket, pieces)
+            if bucket.elsewhere[ctx.device]:
+                _to_devices(outs, bucket.ids, bucket.devices, ctx.device)
+        if not layout.fixed_only:
+            assert got.rows is not None
+            per_rank = [_rank_leaves(spec, layout, got.rows[r]) for r in range(got.rows.shape[0])]
+            for k, i in enumerate(layout.var_ids):
+                pieces = [tensors[k] for tensors, _ in per_rank]
+                shapes[k] = [tuple(p.shape) for p in pieces]
+                device = spec.leaves[i].device
+                outs[i] = torch.cat(pieces).to(device if device is not None else ctx.device)
+            for k, i in enumerate(layout.object_ids):
+                outs[i] = [objects[k] for _, objects in per_rank]
+    if sync_grads and torch.is_grad_enabled():
+        outs = attach_gather_grads(ctx, spec, layout, leaves, outs, shapes)
+    if ctx.single_device:  # Lightning's contract for one process: no stacking dim
+        for bucket in layout.buckets:
+            for i in bucket.ids:
+                outs[i] = outs[i][0]
+    return rebuild(tree, outs, data)
+
+
+def gathered_per_rank(spec: Spec, layout: Layout, leaves: Sequence[Any], rows: Tensor, tree: Tree,
+                      data: Any) -> List[Any]:
+    """gather's result on ``dst``: ``data`` rebuilt once per rank from that rank's row (tensors cloned)."""
+    out = []
+    for r in range(rows.shape[0]):
+        tensors, objects = _rank_leaves(spec, layout, rows[r])
+        rank_leaves = list(leaves)
+        _place(rank_leaves, layout.var_ids, [t.clone() for t in tensors])
+        _place(rank_leaves, layout.object_ids, objects)
+        out.append(rebuild(tree, rank_leaves, data))
+    return out
+
+
+def _rank_leaves(spec: Spec, layout: Layout, row: Tensor) -> Tuple[List[Tensor], List[Any]]:
+    """One rank's var tensors (views of ``row``) and unpickled object leaves."""
+    words = row[: 8 * layout.nvar].view(torch.int64).tolist() if layout.nvar else []
+    tensors, offset, w = [], layout.fixed_end, 0
+    for i in layout.var_ids:
+        leaf = spec.leaves[i]
+        assert leaf.dtype is not None
+        if layout.var_dims == "first":
+            shape: Tuple[int, ...] = (words[w], *leaf.shape[1:])
+            w += 1
+        else:
+            shape = tuple(words[w:w + len(leaf.shape)])
+            w += len(leaf.shape)
+        nbytes = math.prod(shape) * leaf.dtype.itemsize
+        tensors.append(row[offset:offset + nbytes].view(leaf.dtype).view(shape))
+        offset = align(offset + nbytes)
+    objects: List[Any] = []
+    if layout.object_ids:
+        objects = pickle.loads(row[offset:].cpu().numpy().tobytes())
+    return tensors, objects
+
+
+def _split_stacked(region: Tensor, bucket: Bucket) -> Sequence[Tensor]:
+    """A gathered bucket ``(size, numel)`` as one contiguous ``(size, *shape)`` tensor per leaf."""
+    size = region.shape[0]
+    if bucket.scalar:
+        if bucket.perm is not None:
+            region = region.index_select(1, bucket.index[region.device][1])
+        columns = region.t().contiguous()
+        return pool_of(bucket, "stacked").views(columns) if len(bucket.ids) >= POOL_MIN_LEAVES else columns.unbind()
+    if bucket.mode == "single":
+        return (region.reshape(size, *bucket.shapes[0]).contiguous(),)
+    out, start = [], 0
+    for numel, shape in zip(bucket.numels, bucket.shapes):
+        out.append(region[:, start:start + numel].reshape(size, *shape).contiguous())
+        start += numel
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- broadcasts
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, data: Tensor) -> None:
+        super().__init__(file)
+        self.data = data
+        self.offset = 0
+
+    def persistent_load(self, pid: Tuple[int, str, Tuple[int, ...]]) -> Tensor:
+        _, dtype_name, shape = pid
+        dtype = getattr(torch, dtype_name)
+        start, nbytes = self.offset, math.prod(shape) * dtype.itemsize
+        self.offset = align(start + nbytes)
+        out = self.data[start:start + nbytes].view(dtype).view(shape)
+        if self.data.numel() > DETACH_BYTES and nbytes < self.data.numel():
+            out = out.clone()  # one kept tensor must not pin the whole buffer
+        return out
+
+
+def unpickled(skeleton: Optional[bytes], data: Tensor) -> Any:
+    """A broadcast's object: ``skeleton`` (the pickle, its tensors left out) loaded with its tensors read from
+    ``data``; without ``skeleton``, ``data`` is the whole message (skeleton length, skeleton, tensor bytes)."""
+    if skeleton is None:
+        start = SKELETON_AT + int(data[:8].view(torch.int64).item())
+        skeleton, data = data[SKELETON_AT:start].cpu().numpy().tobytes(), data[align(start):]
+    return _Unpickler(io.BytesIO(skeleton), data).load()
+
+
+# ---------------------------------------------------------------------------------------------- results
+def _place(outs: List[Any], ids: Sequence[int], pieces: Sequence[Any]) -> None:
+    for i, piece in zip(ids, pieces):
+        outs[i] = piece
+
+
+def _to_devices(outs: List[Any], ids: Sequence[int], devices: Sequence[Optional[torch.device]],
+                here: torch.device) -> None:
+    """Move results whose leaf lived on another device than ``here`` back to that device."""
+    for i, device in zip(ids, devices):
+        if device is not None and device != here:
+            outs[i] = outs[i].to(device)
+
+
+def _place_results(outs: List[Any], bucket: Bucket, pieces: Sequence[Any]) -> List[Any]:
+    """``outs`` with the bucket's results in: the pieces themselves when they are every leaf in the caller's
+    order (whole 0-d buckets), else placed by index."""
+    if bucket.whole and bucket.scalar:
+        return list(pieces)
+    _place(outs, bucket.ids, pieces)
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------- rebuild
+def rebuild(tree: Tree, leaves: Sequence[Any], like: Any) -> Any:
+    """The collection with structure ``tree`` holding ``leaves`` (in the order ``flatten`` gave them);
+    ``like`` is the collection that was flattened (dataclasses are copied from it)."""
+    if tree is LEAF:
+        return leaves[0]
+    kind, cls, keys, children, _ = tree
+    if children is None:
+        values: List[Any] = list(leaves)
+    else:
+        it = iter(leaves)
+        values = [_build(child, it, item) for child, item in zip(children, _items(tree, like))]
+    return _make(tree, values, like)
+
+
+def _build(tree: Tree, it: Iterator[Any], like: Any) -> Any:
+    if tree is LEAF:
+        return next(it)
+    kind, cls, keys, children, _ = tree
+    if children is None:
+        count = keys if isinstance(keys, int) else len(keys)
+        values = [next(it) for _ in range(count)]
+    else:
+        values = [_build(child, it, item) for child, item in zip(children, _items(tree, like))]
+    return _make(tree, values, like)
+
+
+def _items(tree: Tree, like: Any) -> List[Any]:
+    kind, cls, keys, _, _ = tree
+    if kind == MAPPING:
+        return [like[k] for k in keys]
+    if kind == DATACLASS:
+        return [getattr(like, name) for name in keys]
+    return list(like)
+
+
+def _make(tree: Tree, values: List[Any], like: Any) -> Any:
+    kind, cls, keys, _, extra = tree
+    if kind == MAPPING:
+        pairs = zip(keys, values)
+        if cls is dict:
+            return dict(pairs)
+        if extra is not None or hasattr(like, "default_factory"):
+            return cls(extra, pairs)
+        try:
+            return cls(pairs)
+        except TypeError:
+            return dict(zip(keys, values))
+    if kind == NAMEDTUPLE:
+        return cls(*values)
+    if kind == DATACLASS:
+        out = copy.copy(like)
+        for name, value in zip(keys, values):
+            object.__setattr__(out, name, value)
+        return out
+    if cls is list or cls is tuple:
+        return cls(values)
+    try:
+        return cls(values)
+    except TypeError:
+        return list(values) if isinstance(like, list) else tuple(values)
