@@ -45,7 +45,6 @@ import io
 import json
 import os
 import pstats
-import socket
 import statistics
 import subprocess
 import sys
@@ -437,11 +436,7 @@ def write_plot(path: str, runs: List[Dict[str, Any]]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- main
-def _free_port() -> int:
-    """A port for torchrun's store: held by nobody once this returns, but torchrun retries its own bind."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+
 
 
 def main() -> None:
@@ -483,8 +478,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.runs):
             out = os.path.join(tmp, f"run{r}.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-                   "127.0.0.1", "--master-port", str(_free_port()), os.path.abspath(__file__), *sys.argv[1:], "--out", out]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                   os.path.abspath(__file__), *sys.argv[1:], "--out", out]
             env = clean_env({"FABRICLITE_BENCH_WORKER": "1", "OMP_NUM_THREADS": "1",
                              "FABRICLITE_BENCH_PROFILE": "1" if r == 0 else "0"})
             print(f"run {r + 1} of {args.runs}", file=sys.stderr, flush=True)

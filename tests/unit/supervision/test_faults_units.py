@@ -21,18 +21,13 @@ from fabriclite.supervision.rank_child import is_secondary, write_error_file
 from fabriclite.supervision.failures import Failure, remote_is_root, root_cause, summarize
 from fabriclite.supervision.reaper import Reaper
 from fabriclite.supervision.rank_watch import CollectiveTimeout, CollectiveWatch, PeerLost
+from helpers import free_port
 
 
 @pytest.fixture()
 def store() -> Iterator[dist.Store]:
     server = rendezvous.host_store("127.0.0.1", 0, timedelta(seconds=10))
     yield rendezvous.prefixed(server, rendezvous.KEY_PREFIX)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------------- summaries
