@@ -123,13 +123,14 @@ def _unchecked_reduce(world: int, mean: bool, device: torch.device) -> Floor:
             if mean:
                 buf.div_(world)
             return dict(zip(data, buf.unbind()))
+        # the wire buffer is kept, never handed out (a backend may hold it a moment after the collective); the
+        # result is written into a pooled buffer on the way out: by the mean's division itself, or a copy
+        wire = cache.buffer(("wire", n), (n,), device)
+        wire.copy_(_values(data, device)) if device.type != "cpu" else _fill(wire, data)
+        dist.all_reduce(wire)
         pool = cache.reuse(n, (n,), device)
         slot = pool.take()
-        buf = slot.buffer
-        buf.copy_(_values(data, device)) if device.type != "cpu" else _fill(buf, data)
-        dist.all_reduce(buf)
-        if mean:
-            buf.div_(world)
+        torch.div(wire, world, out=slot.buffer) if mean else slot.buffer.copy_(wire)
         return dict(zip(data, pool.done(slot)))
 
     def big(data: Dict[str, Tensor]) -> Dict[str, Tensor]:
