@@ -5,7 +5,8 @@ reference), on 2 CPU ranks, on a stack of pre-norm MLP blocks at two sizes.
 Every (implementation, size) is a fresh 2-rank job (torchrun), so a rank's memory is its own: nothing another
 implementation allocated is counted. Each rank records, from the OS (``/proc/self/status``):
 
-- RSS at the start (torch imported, the process group up), the peak during set-up (building the model, sharding,
+- RSS at the start (torch, the framework and torch.distributed's fsdp, tensor and checkpoint modules imported),
+  the peak during set-up (the Fabric and its process group where there is one, building the model, sharding,
   materialising, the optimizer) and the peak during training (a warm-up step and ``--steps`` timed steps): the
   peak is ``VmHWM``, reset before each phase (``/proc/self/clear_refs``);
 
@@ -147,7 +148,9 @@ def _prepare(impl: str, width: int, depth: int) -> Tuple[Any, Any, Callable[[Any
             for block in [m for m in model if isinstance(m, Block)]:
                 fully_shard(block, mesh=mesh["data_parallel"])
             return fully_shard(model, mesh=mesh["data_parallel"])
-        strategy = LFSDP(auto_wrap_policy={Block}) if "FSDP" in impl else ModelParallelStrategy(shard)
+        world = int(os.environ["WORLD_SIZE"])  # every rank on the data-parallel dim ("auto" puts them on tensor-parallel)
+        strategy = LFSDP(auto_wrap_policy={Block}) if "FSDP" in impl else \
+            ModelParallelStrategy(shard, data_parallel_size=world, tensor_parallel_size=1)
     fabric = Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy)
     fabric.launch()
     with fabric.init_module(empty_init=meta):
@@ -179,6 +182,9 @@ def worker(args: argparse.Namespace) -> None:
     else:
         sys.modules.setdefault("mpi4py", None)  # type: ignore[arg-type]
         import lightning.fabric  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401  # what every implementation imports lazily, loaded before
+    import torch.distributed.fsdp  # noqa: F401  # the start is read: set-up peaks are then the model's
+    import torch.distributed.tensor  # noqa: F401
     start = _status("VmRSS")
     _reset_peak()
     t0 = time.perf_counter()
