@@ -86,7 +86,8 @@ def _impls(op: str, make: Callable[[], Any], numel: int, fabric: Any, lfabric: A
     data = {name: make() for name in names}
     flat = torch.zeros(numel, device=device)
     floor = floors(op, reduce_op, device)
-    impls: Dict[str, Callable[[], Any]] = {name: (lambda fn=fn, name=name: fn(data[name])) for name, fn in floor.items()}
+    impls: Dict[str, Callable[[], Any]] = {name: (lambda fn=fn, name=name: fn(data[name]))
+                                           for name, fn in floor.items()}
     if op == "all_reduce":
         def loop() -> None:
             for t in data["per-leaf loop"].values():
@@ -297,7 +298,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="only the cases whose 'op label' contains this ('all_reduce 1 x')")
     parser.add_argument("--no-baselines", action="store_true", help="leave Lightning Fabric and the loop out")
     parser.add_argument("--baselines-up-to", type=int, default=1000,
-                        help="leaves up to which Lightning Fabric and the loop run (seconds per call above; 16M: always)")
+                        help="leaves up to which Lightning Fabric and the loop run (16M: always)")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="also write every run's raw numbers here")
     args = parser.parse_args()

@@ -148,7 +148,7 @@ def _prepare(impl: str, width: int, depth: int) -> Tuple[Any, Any, Callable[[Any
             for block in [m for m in model if isinstance(m, Block)]:
                 fully_shard(block, mesh=mesh["data_parallel"])
             return fully_shard(model, mesh=mesh["data_parallel"])
-        world = int(os.environ["WORLD_SIZE"])  # every rank on the data-parallel dim ("auto" puts them on tensor-parallel)
+        world = int(os.environ["WORLD_SIZE"])  # all ranks data-parallel ("auto" puts them on tensor-parallel)
         strategy = LFSDP(auto_wrap_policy={Block}) if "FSDP" in impl else \
             ModelParallelStrategy(shard, data_parallel_size=world, tensor_parallel_size=1)
     fabric = Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy)

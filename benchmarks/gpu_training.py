@@ -137,7 +137,8 @@ def run_once(framework: str, model: str, precision: str, args: argparse.Namespac
 
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework, model, precision, "--device", args.device,
            "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--small"] if args.small else [])
-    env = clean_env({"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))})
+    path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+    env = clean_env({"PYTHONPATH": path})
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT):

@@ -116,7 +116,8 @@ def test_the_fsdp_benchmark_measures_each_implementation_in_its_own_ranks(tmp_pa
     text = out.read_text()
     _header_ok(text, "fsdp.py")
     rows = [line for line in text.splitlines() if line.startswith("| small ")]
-    assert [r.split("|")[3].strip() for r in rows] == ["FSDP2 by hand, meta init", "FSDP2 by hand, materialize then shard"]
+    assert [r.split("|")[3].strip() for r in rows] == ["FSDP2 by hand, meta init",
+                                                       "FSDP2 by hand, materialize then shard"]
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         start, setup, train, tensors = cells[3], cells[4], cells[5], cells[6]
