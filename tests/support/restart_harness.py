@@ -36,26 +36,27 @@ MAX_JOBS = 3
 
 
 def run_many(jobs: Dict[str, Tuple[List[str], Dict[str, str]]]) -> Dict[str, subprocess.CompletedProcess]:
-    """``fabriclite run`` of every ``name: (flags, env)``, at most MAX_JOBS at once (they overlap their start-ups);
-    each result. Each job has DEADLINE_S from its own start; one past it kills them all and raises."""
+    """``fabriclite run`` of every ``name: (flags, env)``, at most MAX_JOBS at once (they overlap their start-ups;
+    the next starts as soon as one ends); each result. Each job has DEADLINE_S from its own start; one past it
+    kills them all and raises. (The jobs print little: their pipes never fill before they end.)"""
     waiting = list(jobs.items())
     running: Dict[str, Tuple[subprocess.Popen, float]] = {}
     results: Dict[str, subprocess.CompletedProcess] = {}
-    try:
-        while waiting or running:
-            while waiting and len(running) < MAX_JOBS:
-                name, (flags, env) = waiting.pop(0)
-                running[name] = (subprocess.Popen(_command(flags, SCRIPT), env=_env(env), stdout=subprocess.PIPE,
-                                                  stderr=subprocess.PIPE, text=True), time.monotonic())
-            name = next(iter(running))
-            proc, started = running[name]
-            out, err = proc.communicate(timeout=max(0.0, started + DEADLINE_S - time.monotonic()))
-            del running[name]
-            results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    except subprocess.TimeoutExpired:
-        for proc, _ in running.values():
-            proc.kill()
-        raise
+    while waiting or running:
+        while waiting and len(running) < MAX_JOBS:
+            name, (flags, env) = waiting.pop(0)
+            running[name] = (subprocess.Popen(_command(flags, SCRIPT), env=_env(env), stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True), time.monotonic())
+        for name, (proc, started) in list(running.items()):
+            if proc.poll() is not None:  # ended: its output is all in the pipes
+                out, err = proc.communicate()
+                results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+                del running[name]
+            elif time.monotonic() - started > DEADLINE_S:
+                for other, _ in running.values():
+                    other.kill()
+                raise subprocess.TimeoutExpired(proc.args, DEADLINE_S)
+        time.sleep(0.2)
     return {name: results[name] for name in jobs}
 
 
