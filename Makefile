@@ -1,4 +1,7 @@
 # fabriclite: `make demo` runs the example, `make test` runs the tests. Both bootstrap .venv on first use.
+# `make bench` runs every benchmark (tables in benchmarks/results/, plots in docs/); `make test-stress` runs the core
+# suite 3 times under CPU load; `make gpu-check PYTHON=python3` runs the CUDA/NCCL checks with that interpreter as it
+# is (no .venv; skips with one line where there is no GPU).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,7 +9,7 @@ STAMP := $(VENV)/.fabriclite-installed
 # CPU build of torch; a looser pin would download a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv demo test test-core bench clean
+.PHONY: venv demo test test-core test-stress bench gpu-check clean
 
 venv: $(STAMP)
 
@@ -28,9 +31,23 @@ test-core: venv
 
 test: test-core test-backends
 
+# the core suite 3 times in a row, 2 busy processes loading the CPUs, no retries (STRESS_TESTS: a subset)
+STRESS_TESTS ?= tests
+test-stress: venv
+	bash scripts/test_stress.sh $(PY) $(STRESS_TESTS)
+
+gpu-check:
+	@bash scripts/gpu_check.sh $(PYTHON)
+
+# every benchmark, each writing benchmarks/results/<name>.md; the plots into docs/
 bench: venv
 	$(PY) -m pip install -q -e ".[bench]" "$(TORCH_PIN)"
 	$(PY) benchmarks/launch.py
+	$(PY) benchmarks/collectives.py --plot docs/collectives_benchmark.png
+	$(PY) benchmarks/fsdp.py --plot docs/fsdp_benchmark.png
+	$(PY) benchmarks/training.py
+	$(PY) benchmarks/collective_watch.py
+	$(PY) benchmarks/fault_tolerance.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

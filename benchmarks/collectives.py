@@ -1,32 +1,50 @@
 """Collectives over collections: fabriclite against Lightning Fabric, a per-leaf torch.distributed loop, two
-hand-written floors and one flat collective of the same bytes (the limit), on 2 CPU ranks, in one run.
+hand-written floors and one flat collective of the same bytes (the limit), on 2 CPU ranks (gloo) or one rank
+per GPU (``--backend nccl``), in one run.
 
 For all_reduce (mean) and all_gather of dicts of 1, 10, 100, 1,000 and 10,000 0-d float32 tensors and of one
-16M-float tensor, every implementation is called in turn (interleaved, so load drifts hit all alike) and the
-median time per call on rank 0 is kept (``--big-calls`` (40) for the 16M-float cases; each round starts one implementation further along, so none always
-runs right after the same one). fabriclite, the floors and the limit get ``--calls`` calls (>= 200)
-at every size; Lightning Fabric and the per-leaf loop, which take up to seconds per call, get as many as fit
-in ``--budget`` seconds (at least 5, at most ``--calls``); the table says how many. The floors
+16M-float tensor, every implementation is called in turn (interleaved, so load drifts hit all alike; each
+round starts one implementation further along, so none always runs right after the same one), in two
+regimes:
+
+- **drop**: each call timed alone, its result dropped at once (a loop that logs and forgets). Result buffers
+  can then be reused: fabriclite's pool does it, and so do the floors, where it is legal.
+- **keep**: windows of ``--keep-window`` timed calls (``--big-keep-window`` for 16M floats) whose results are
+  all kept until the window ends, after ``KEEP_UNTIMED`` untimed calls whose results are kept too (so a pool
+  of up to that many buffers is used up before the timer starts): a loop that keeps its metrics. The time
+  per call is the window's over its calls. Lightning Fabric and the per-leaf loop reduce in the caller's
+  tensors (nothing to keep): drop regime only.
+
+fabriclite, the floors and the limit get ``--calls`` calls (>= 200) at every size (``--big-calls`` (40) for
+the 16M-float cases); Lightning Fabric and the per-leaf loop, which take up to seconds per call, get as many
+as fit in ``--budget`` seconds (at least 5, at most ``--calls``); the table says how many. The floors
 (benchmarks/collectives_floors.py): (a) the least hand-written Python that reads the leaves, runs one
-collective and hands back the same structure and types; (b) the same with the least agreement check.
+collective and hands back the same structure and types; (b) the same with the least agreement check. Both
+reuse result buffers as fabriclite does. A ratio of fabriclite to a floor or the limit that comes out below
+1 is printed as "check the floor" (or limit): a floor that is beaten is not one.
 
-The whole run is repeated ``--runs`` times (3), each a fresh pair of ranks; the tables give the median over
+The whole run is repeated ``--runs`` times (3), each a fresh set of ranks; the tables give the median over
 the runs of each per-run median, the goals the median over the runs of each per-run ratio (a ratio is taken
-between numbers of the same run), with the load average of each run.
+between numbers of the same run). The first run also profiles fabriclite's calls in the goals' cases
+(cProfile on rank 0); a goal that is missed gets its case's profile in the results file.
 
-    python benchmarks/collectives.py [--runs 3] [--calls 200] [--big-calls 40] [--budget 5] [--markdown docs/collectives.md]
+    python benchmarks/collectives.py [--runs 3] [--calls 200] [--big-calls 40] [--budget 5]
                                      [--plot docs/collectives_benchmark.png]
+    python benchmarks/collectives.py --backend nccl [--ranks N]      # one rank per GPU
 
-The script starts its two ranks itself (through torchrun, so that both Fabric objects join one process
-group). The plot needs matplotlib (``pip install matplotlib``); without it only the tables are written.
+writes benchmarks/results/collectives.md (``collectives_nccl.md`` with nccl; ``--results PATH`` elsewhere).
+The script starts its ranks itself (through torchrun, so that both Fabric objects join one process group).
+The plot needs matplotlib (the ``bench`` extra); without it only the tables are written.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import inspect
+import io
 import json
 import os
-import socket
+import pstats
 import statistics
 import subprocess
 import sys
@@ -35,46 +53,41 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import clean_env, table  # noqa: E402
+from collectives_report import (KEEP_UNTIMED, LEAVES, REGIMES, SLOW, fmt, impl_names, report,  # noqa: E402
+                                write_plot, write_results)
+from common import Results, clean_env  # noqa: E402
 
-LEAVES = [1, 10, 100, 1000, 10000]
 BIG = 16 * 1024 * 1024
-SLOW = ("Lightning Fabric", "per-leaf loop")
-BEGIN, END = "<!-- benchmark:begin -->", "<!-- benchmark:end -->"
-
-
-def impl_names(op: str) -> List[str]:
-    inplace = ["fabriclite inplace"] if op == "all_reduce" else []
-    return ["fabriclite", *inplace, "fabriclite check=False", "floor (a)", "floor (b)", "limit", *SLOW]
+#: the goals' cases ("op|label"), profiled in the first run
+GOAL_CASES = ("all_reduce|1 x 0-d", "all_reduce|1000 x 0-d", "all_gather|1000 x 0-d")
 
 
 # ---------------------------------------------------------------------------------------------- ranks
-def _cases() -> List[Tuple[str, Callable[[], Any], int]]:
+def _cases(device: Any) -> List[Tuple[str, Callable[[], Any], int]]:
     import torch
 
-    return [(f"{n} x 0-d", lambda n=n: {f"k{i}": torch.zeros(()) for i in range(n)}, n)
-            for n in LEAVES] + [("1 x 16M", lambda: {"t": torch.zeros(BIG)}, BIG)]
+    return [(f"{n} x 0-d", lambda n=n: {f"k{i}": torch.zeros((), device=device) for i in range(n)}, n)
+            for n in LEAVES] + [("1 x 16M", lambda: {"t": torch.zeros(BIG, device=device)}, BIG)]
 
 
-def _impls(op: str, make: Callable[[], Any], numel: int, fabric: Any, lfabric: Any, reduce_op: str,
-           baselines: bool, slow_max: int) -> Dict[str, Callable[[], Any]]:
+def _impls(op: str, make: Callable[[], Any], numel: int, fabric: Any, lfabric: Any, args: argparse.Namespace,
+           baselines: bool, slow_max: int, device: Any) -> Dict[str, Callable[[], Any]]:
     import torch
     import torch.distributed as dist
 
     from collectives_floors import floors
     from fabriclite import collectives
 
-    names = [n for n in impl_names(op) if n not in SLOW or (baselines and numel <= slow_max)]
+    reduce_op = args.reduce_op
+    names = [n for n in impl_names(op, args.backend) if n not in SLOW or (baselines and numel <= slow_max)]
     if "inplace" not in inspect.signature(collectives.all_reduce).parameters:  # measuring an older version
         names = [n for n in names if n != "fabriclite inplace"]
     world = dist.get_world_size()
     data = {name: make() for name in names}
-    flat = torch.zeros(numel)
-    floor = floors(op, reduce_op)
-    impls: Dict[str, Callable[[], Any]] = {
-        "floor (a)": lambda: floor["floor (a)"](data["floor (a)"]),
-        "floor (b)": lambda: floor["floor (b)"](data["floor (b)"]),
-    }
+    flat = torch.zeros(numel, device=device)
+    floor = floors(op, reduce_op, device)
+    impls: Dict[str, Callable[[], Any]] = {name: (lambda fn=fn, name=name: fn(data[name]))
+                                           for name, fn in floor.items()}
     if op == "all_reduce":
         def loop() -> None:
             for t in data["per-leaf loop"].values():
@@ -90,8 +103,8 @@ def _impls(op: str, make: Callable[[], Any], numel: int, fabric: Any, lfabric: A
                                                                      reduce_op=reduce_op, check=False),
         })
     else:
+        out = torch.empty(world * numel, device=device)
         gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        out = torch.empty(world * numel)
 
         def gather_loop() -> Dict[str, Any]:
             result = {}
@@ -133,7 +146,15 @@ def _call_counts(impls: Dict[str, Callable[[], Any]], calls: int, budget: float)
             for name, estimate in zip(impls, agreed.tolist())}
 
 
-def _measure(impls: Dict[str, Callable[[], Any]], counts: Dict[str, int]) -> Dict[str, List[float]]:
+def _sync(device: Any) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _measure_drop(impls: Dict[str, Callable[[], Any]], counts: Dict[str, int], device: Any) -> Dict[str, List[float]]:
+    """Each call timed alone; its result dropped at once."""
     times: Dict[str, List[float]] = {name: [] for name in impls}
     order = list(impls.items())
     for r in range(max(counts.values())):
@@ -142,8 +163,47 @@ def _measure(impls: Dict[str, Callable[[], Any]], counts: Dict[str, int]) -> Dic
             if r < counts[name]:
                 t0 = time.perf_counter()
                 fn()
+                _sync(device)
                 times[name].append(time.perf_counter() - t0)
     return times
+
+
+def _measure_keep(impls: Dict[str, Callable[[], Any]], calls: int, window: int, device: Any) -> Dict[str, List[float]]:
+    """Windows of ``window`` timed calls per implementation, every result of the window (and of its
+    KEEP_UNTIMED untimed calls before) kept until the window ends; the time per call of each window."""
+    times: Dict[str, List[float]] = {name: [] for name in impls if name not in SLOW}
+    order = [(name, fn) for name, fn in impls.items() if name not in SLOW]
+    for r in range(max(3, calls // (window + KEEP_UNTIMED))):
+        k = r % len(order)
+        for name, fn in order[k:] + order[:k]:
+            kept = [fn() for _ in range(KEEP_UNTIMED)]
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(window):
+                kept.append(fn())
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) / window)
+            del kept
+    return times
+
+
+def _profile(fn: Callable[[], Any], calls: int, profile: bool) -> Optional[str]:
+    """The top of a cProfile of ``calls`` calls of ``fn`` (results dropped), by own time; None where
+    ``profile`` is False (the other ranks make the same calls unprofiled)."""
+    if not profile:
+        for _ in range(calls):
+            fn()
+        return None
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(14)
+    text = out.getvalue()
+    return text[text.index("ncalls"):] if "ncalls" in text else text
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -154,35 +214,58 @@ def worker(args: argparse.Namespace) -> None:
     load_start = os.getloadavg()[0]
     from fabriclite import Fabric
 
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    accelerator = "cuda" if args.backend == "nccl" else "cpu"
+    ranks = int(os.environ["WORLD_SIZE"])
+    fabric = Fabric(accelerator=accelerator, devices=ranks, strategy="ddp")
     fabric.launch()
+    device = fabric.device
     lfabric = None
     if not args.no_baselines:
         from lightning.fabric import Fabric as LightningFabric
 
-        lfabric = LightningFabric(accelerator="cpu", devices=2, strategy="ddp")
+        lfabric = LightningFabric(accelerator=accelerator, devices=ranks, strategy="ddp")
         lfabric.launch()
     results: Dict[str, Any] = {}
+    profiles: Dict[str, str] = {}
+    profiling = os.environ.get("FABRICLITE_BENCH_PROFILE") == "1"
     for op in ("all_reduce", "all_gather"):
-        for label, make, numel in _cases():
+        for label, make, numel in _cases(device):
             if args.only and args.only not in f"{op} {label}":
                 continue
+            key = f"{op}|{label}"
             slow_max = BIG if numel == BIG else args.baselines_up_to
-            impls = _impls(op, make, numel, fabric, lfabric, args.reduce_op, not args.no_baselines, slow_max)
-            counts = _call_counts(impls, args.big_calls if numel == BIG else args.calls, args.budget)
-            times = _measure(impls, counts)
-            results[f"{op}|{label}"] = {name: {"median": statistics.median(t), "calls": len(t)}
-                                        for name, t in times.items()}
+            impls = _impls(op, make, numel, fabric, lfabric, args, not args.no_baselines, slow_max, device)
+            calls = args.big_calls if numel == BIG else args.calls
+            counts = _call_counts(impls, calls, args.budget)
+            drop = _measure_drop(impls, counts, device)
+            keep = _measure_keep(impls, calls, args.big_keep_window if numel == BIG else args.keep_window, device)
+            results[key] = {regime: {name: {"median": statistics.median(t), "calls": len(t)}
+                                     for name, t in times.items()}
+                            for regime, times in (("drop", drop), ("keep", keep))}
+            if profiling and key in GOAL_CASES:
+                text = _profile(impls["fabriclite"], calls, dist.get_rank() == 0)
+                if text:
+                    profiles[key] = text
             if dist.get_rank() == 0:
-                row = ", ".join(f"{n}: {_fmt(v['median'])}" for n, v in results[f'{op}|{label}'].items())
-                print(f"  {op} {label}: {row}", file=sys.stderr, flush=True)
+                for regime in REGIMES:
+                    row = ", ".join(f"{n}: {fmt(v['median'])}" for n, v in results[key][regime].items())
+                    print(f"  {op} {label} [{regime}]: {row}", file=sys.stderr, flush=True)
             del impls
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"results": results, "torch": torch.__version__, "lightning": _lightning_version(),
-                       "cpus": os.cpu_count(), "reduce_op": args.reduce_op,
+            json.dump({"results": results, "profiles": profiles, "torch": torch.__version__,
+                       "lightning": _lightning_version(), "cpus": os.cpu_count(), "reduce_op": args.reduce_op,
+                       "backend": args.backend, "ranks": ranks, "device": _device_name(device),
                        "load": [load_start, os.getloadavg()[0]]}, f)
     fabric.barrier()
+
+
+def _device_name(device: Any) -> str:
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return "cpu"
 
 
 def _lightning_version() -> str:
@@ -193,181 +276,53 @@ def _lightning_version() -> str:
     return str(lightning.__version__)
 
 
-# ---------------------------------------------------------------------------------------------- report
-def _fmt(seconds: float) -> str:
-    us = seconds * 1e6
-    if us < 1000:
-        return f"{us:.0f} us" if us >= 100 else f"{us:.1f} us"
-    if us < 1e6:
-        return f"{us / 1000:.2f} ms" if us < 10_000 else f"{us / 1000:.1f} ms"
-    return f"{us / 1e6:.2f} s"
-
-
-def _median_of_runs(runs: List[Dict[str, Any]], key: str, fn: Callable[[Dict[str, float]], float]) -> float:
-    """The median over the runs of ``fn(medians of that run)`` for case ``key``."""
-    return statistics.median(fn({n: v["median"] for n, v in run["results"][key].items()}) for run in runs)
-
-
-def report(runs: List[Dict[str, Any]]) -> Tuple[str, List[str]]:
-    """The Markdown tables (medians over the runs) and the goal checks."""
-    sections, goals = [], []
-    keys = list(runs[0]["results"])
-    for op in ("all_reduce", "all_gather"):
-        op_keys = [k for k in keys if k.startswith(op + "|")]
-        if not op_keys:
-            continue
-        present = set().union(*(runs[0]["results"][k] for k in op_keys))
-        names = [n for n in impl_names(op) if n in present]
-        rows = []
-        for key in op_keys:
-            kind, label = key.split("|")
-            have = runs[0]["results"][key]
-            med = {n: _median_of_runs(runs, key, lambda m, n=n: m[n]) for n in names if n in have}
-            ratio = {ref: _median_of_runs(runs, key, lambda m, ref=ref: m["fabriclite"] / m[ref])
-                     for ref in ("limit", "floor (a)", "floor (b)")}
-            row = [label, *(_fmt(med[n]) if n in med else "-" for n in names), f"{ratio['limit']:.2f}x",
-                   f"{ratio['floor (a)']:.2f}x", f"{ratio['floor (b)']:.2f}x"]
-            if "Lightning Fabric" in names:
-                light = (f"{_median_of_runs(runs, key, lambda m: m['Lightning Fabric'] / m['fabriclite']):.1f}x"
-                         if "Lightning Fabric" in have else "-")
-                row += [light, " / ".join(str(have[n]["calls"]) if n in have else "-" for n in ("fabriclite", *SLOW))]
-            rows.append(row)
-            goals.extend(_goals(op, label, runs, key))
-        headers = ["leaves", *names, "fabriclite / limit", "fabriclite / (a)", "fabriclite / (b)"]
-        if "Lightning Fabric" in names:
-            headers += ["Lightning / fabriclite", "calls (f / L / loop)"]
-        title = f"**{op}**" + (f" (reduce_op={runs[0]['reduce_op']!r})" if op == "all_reduce" else "")
-        sections.append(title + "\n\n" + table(headers, rows))
-    return "\n\n".join(sections), goals
-
-
-def _goals(op: str, label: str, runs: List[Dict[str, Any]], key: str) -> List[str]:
-    """The issue's goals for this case: each a quantity taken within one run, its median over the runs."""
-    n = BIG if "16M" in label else int(label.split()[0])
-    checks: List[Tuple[str, Callable[[Dict[str, float]], float], float, str]] = []
-    if label == "1 x 0-d" and op == "all_reduce":
-        checks += [("<= 1.15x floor (b)", lambda m: m["fabriclite"] / m["floor (b)"], 1.15, "x"),
-                   ("<= 1.6x the limit", lambda m: m["fabriclite"] / m["limit"], 1.6, "x")]
-    if label == "1000 x 0-d":
-        checks.append(("overhead above the limit <= 1.3x floor (a)'s",
-                       lambda m: (m["fabriclite"] - m["limit"]) / max(m["floor (a)"] - m["limit"], 1e-9), 1.3, "x"))
-        most = 2.5 if op == "all_reduce" else 3.0
-        checks.append((f"<= {most}x the limit", lambda m: m["fabriclite"] / m["limit"], most, "x"))
-    if label == "10000 x 0-d":
-        checks.append(("<= 1 us per leaf above floor (a)", lambda m: (m["fabriclite"] - m["floor (a)"]) / n * 1e6,
-                       1.0, " us"))
-    if "16M" in label and op == "all_reduce":
-        if {"Lightning Fabric", "fabriclite inplace"} <= set(runs[0]["results"][key]):
-            checks.append(("inplace=True <= Lightning Fabric", lambda m: m["fabriclite inplace"] / m["Lightning Fabric"],
-                           1.0, "x its time"))
-        checks.append(("default <= 1.2x the limit", lambda m: m["fabriclite"] / m["limit"], 1.2, "x"))
-    out = []
-    for text, fn, goal, unit in checks:
-        per_run = [fn({k: v["median"] for k, v in run["results"][key].items()}) for run in runs]
-        value = statistics.median(per_run)
-        seen = ", ".join(f"{v:.2f}" for v in per_run)
-        floors = "; ".join(f"{name} {_fmt(_median_of_runs(runs, key, lambda m, name=name: m[name]))}"
-                           for name in ("fabriclite", "fabriclite inplace", "floor (a)", "floor (b)", "limit",
-                                        "Lightning Fabric") if name in runs[0]["results"][key])
-        out.append(f"- [{'x' if value <= goal else ' '}] {op} {label}: {text}: {value:.2f}{unit} "
-                   f"(runs: {seen}; medians: {floors})")
-    return out
-
-
-def write_markdown(path: str, tables: str, goals: List[str], runs: List[Dict[str, Any]], plot: Optional[str]) -> None:
-    when = time.strftime("%Y-%m-%d")
-    first = runs[0]
-    loads = ", ".join(f"{a:.1f} -> {b:.1f}" for a, b in (run["load"] for run in runs))
-    body = (f"{BEGIN}\n_Measured {when} by `python benchmarks/collectives.py` on {first['cpus']} CPU cores, 2 ranks "
-            f"(gloo), torch {first['torch']}, lightning {first['lightning']}: {len(runs)} runs, each a fresh pair of "
-            f"ranks; load average (1 min) at the start -> end of each run: {loads}. Each cell is the median over "
-            f"the runs of the per-run median per call on rank 0; each ratio the median over the runs of the ratio "
-            f"within a run. The limit is one torch.distributed collective on a ready flat buffer of the same bytes "
-            f"(all_reduce sum / all_gather); floors (a) and (b): benchmarks/collectives_floors.py._\n\n"
-            f"{tables}\n\nGoals (the median over the runs of a quantity taken within each run):\n\n"
-            + "\n".join(goals) + "\n")
-    if plot:
-        body += f"\n![time per call against leaves]({os.path.relpath(plot, os.path.dirname(path) or '.')})\n"
-    body += END
-    text = open(path).read() if os.path.exists(path) else f"# Collectives\n\n{BEGIN}\n{END}\n"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + body + text[text.index(END) + len(END):]
-    else:
-        text += "\n" + body + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def write_plot(path: str, runs: List[Dict[str, Any]]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
-        return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    styles = {"fabriclite": ("o-", "C0"), "fabriclite inplace": ("o--", "C1"), "floor (a)": ("v-", "C2"),
-              "floor (b)": ("^-", "C3"), "limit": ("-", "k"), "Lightning Fabric": ("s--", "C4"),
-              "per-leaf loop": ("x:", "C5")}
-    for ax, op in zip(axes, ("all_reduce", "all_gather")):
-        for name in impl_names(op):
-            if name not in styles:
-                continue
-            xs, ys = [], []
-            for n in LEAVES:
-                key = f"{op}|{n} x 0-d"
-                if key in runs[0]["results"] and name in runs[0]["results"][key]:
-                    xs.append(n)
-                    ys.append(_median_of_runs(runs, key, lambda m: m[name]) * 1e3)
-            if xs:
-                ax.plot(xs, ys, styles[name][0], color=styles[name][1], label=name)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("0-d tensors in the dict")
-        ax.set_ylabel(f"ms per call (median of {len(runs)} runs)")
-        ax.set_title(f"{op}, 2 CPU ranks (gloo)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
-
-
 # ---------------------------------------------------------------------------------------------- main
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=3, help="whole runs, each a fresh pair of ranks (3)")
+    parser.add_argument("--runs", type=int, default=3, help="whole runs, each a fresh set of ranks (3)")
     parser.add_argument("--calls", type=int, default=200, help="calls for fabriclite, the floors and the limit")
     parser.add_argument("--big-calls", type=int, default=40, help="the same for the 16M-float cases")
+    parser.add_argument("--keep-window", type=int, default=16, help="timed calls per keep window")
+    parser.add_argument("--big-keep-window", type=int, default=2, help="the same for the 16M-float cases")
     parser.add_argument("--budget", type=float, default=5.0, help="seconds per baseline and size")
-    parser.add_argument("--markdown", default=None, help="write the tables into this Markdown file")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="gloo: CPU ranks; nccl: one rank per GPU")
+    parser.add_argument("--ranks", type=int, default=None, help="ranks (gloo: 2; nccl: every GPU)")
+    parser.add_argument("--results", default=None,
+                        help="the results file (benchmarks/results/collectives.md; _nccl with nccl)")
     parser.add_argument("--plot", default=None, help="write the plot (PNG) here")
     parser.add_argument("--reduce-op", default="mean", help="all_reduce's op for fabriclite and Lightning Fabric")
     parser.add_argument("--only", default=None, help="only the cases whose 'op label' contains this ('all_reduce 1 x')")
     parser.add_argument("--no-baselines", action="store_true", help="leave Lightning Fabric and the loop out")
     parser.add_argument("--baselines-up-to", type=int, default=1000,
-                        help="leaves up to which Lightning Fabric and the loop run (seconds per call above; 16M: always)")
+                        help="leaves up to which Lightning Fabric and the loop run (16M: always)")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="also write every run's raw numbers here")
     args = parser.parse_args()
     if os.environ.get("FABRICLITE_BENCH_WORKER"):
         worker(args)
         return
+    results = Results("collectives" if args.backend == "gloo" else "collectives_nccl")
+    ranks = args.ranks
+    if ranks is None:
+        ranks = 2
+        if args.backend == "nccl":
+            import torch
+
+            ranks = torch.cuda.device_count()
+    if ranks < 1:
+        parser.error(f"--ranks {ranks}: needs at least 1 (nccl: one rank per GPU, and no GPU was found)")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.runs):
             out = os.path.join(tmp, f"run{r}.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                   "127.0.0.1", "--master-port", str(_free_port()), os.path.abspath(__file__), *sys.argv[1:], "--out", out]
-            env = clean_env({"FABRICLITE_BENCH_WORKER": "1", "OMP_NUM_THREADS": "1"})
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                   os.path.abspath(__file__), *sys.argv[1:], "--out", out]
+            env = clean_env({"FABRICLITE_BENCH_WORKER": "1", "OMP_NUM_THREADS": "1",
+                             "FABRICLITE_BENCH_PROFILE": "1" if r == 0 else "0"})
             print(f"run {r + 1} of {args.runs}", file=sys.stderr, flush=True)
             subprocess.run(cmd, env=env, check=True)
             with open(out) as f:
@@ -375,11 +330,10 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f)
-    tables, goals = report(runs)
+    tables, goals, missed = report(runs)
     print(tables + "\n\n" + "\n".join(goals))
     plot = args.plot if args.plot and write_plot(args.plot, runs) else None
-    if args.markdown:
-        write_markdown(args.markdown, tables, goals, runs, plot)
+    write_results(args.results, results, tables, goals, missed, runs, plot)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
 - resume_state(): the median time of its state_dict() per save (gathering every rank's RNG states).
 
     python benchmarks/fault_tolerance.py [--repeats 3]
+
+writes benchmarks/results/fault_tolerance.md (``--results PATH`` elsewhere).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from common import Results  # noqa: E402
 COSTS = r"""
 import statistics, time
 from fabriclite import Fabric
@@ -52,7 +56,7 @@ def run(args, env=None):
 
 def restart_time() -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        done = run(["--max-restarts", "1", os.path.join(ROOT, "tests", "restart_script.py")],
+        done = run(["--max-restarts", "1", os.path.join(ROOT, "tests", "support", "restart_script.py")],
                    {"CKPT_DIR": os.path.join(tmp, "ckpt"), "OUT": os.path.join(tmp, "w.pt"), "KILL_AT": "13:1"})
         assert done.returncode == 0, done.stderr
         killed = float(re.search(r"KILLED t=([\d.]+)", done.stdout).group(1))
@@ -63,18 +67,20 @@ def restart_time() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--results", default=None, help="the results file (benchmarks/results/fault_tolerance.md)")
     args = parser.parse_args()
+    results = Results("fault_tolerance")
     times = sorted(restart_time() for _ in range(args.repeats))
-    print(f"failure to training resumed (2 ranks, 1 s backoff): median {times[len(times) // 2]:.1f} s, "
-          f"all {[round(t, 1) for t in times]}")
+    lines = [f"failure to training resumed (2 ranks, 1 s backoff): median {times[len(times) // 2]:.1f} s, "
+             f"all {[round(t, 1) for t in times]}"]
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "costs.py")
         with open(script, "w") as f:
             f.write(COSTS)
         done = run([script])
-        print(next(line for line in done.stdout.splitlines() if line.startswith("COSTS")))
-    with open("/proc/loadavg") as f:
-        print("load average:", " ".join(f.read().split()[:3]))
+        lines.append(next(line for line in done.stdout.splitlines() if line.startswith("COSTS")))
+    print("\n".join(lines))
+    results.write("\n\n".join(lines))
 
 
 if __name__ == "__main__":

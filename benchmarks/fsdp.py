@@ -1,182 +1,281 @@
-"""fsdp against ddp and hand-written FSDP2 on 2 CPU ranks, on a transformer-like stack at three sizes.
+"""Sharded training's memory per rank, each implementation in its own processes: fabriclite's fsdp, Lightning's
+ModelParallel strategy (its FSDPStrategy refuses CPU), hand-written FSDP2, and fabriclite's ddp (unsharded, for
+reference), on 2 CPU ranks, on a stack of pre-norm MLP blocks at two sizes.
 
-- step time: median over interleaved rounds (each round runs every implementation once per size, so drifting
-  machine load hits all of them alike), with the load average recorded;
-- counted bytes per rank: the rank's parameter, gradient and optimizer-state storages, padding included;
-- RSS per rank after each configuration's steps (``VmRSS``) and the process's peak (``ru_maxrss``);
-- the largest model each fits in a fixed per-rank budget of counted bytes (from the bytes per parameter measured).
+Every (implementation, size) is a fresh 2-rank job (torchrun), so a rank's memory is its own: nothing another
+implementation allocated is counted. Each rank records, from the OS (``/proc/self/status``):
 
-fabriclite's fsdp runs ``FSDPStrategy(auto_wrap_policy={Block})``; hand-written FSDP2 is the same model and loop with
-no fabriclite in it: ``fully_shard`` on each block and the root over the world group, ``loss.backward()``, ``clip_grad_norm_``, ``optimizer.step()``.
+- RSS at the start (torch, the framework and torch.distributed's fsdp, tensor and checkpoint modules imported),
+  the peak during set-up (the Fabric and its process group where there is one, building the model, sharding,
+  materialising, the optimizer) and the peak during training (a warm-up step and ``--steps`` timed steps): the
+  peak is ``VmHWM``, reset before each phase (``/proc/self/clear_refs``);
 
-    python benchmarks/fsdp.py [--rounds 5] [--steps 4] [--markdown docs/fsdp_benchmark.md] [--plot docs/fsdp_benchmark.png]
+and, in tensors, the bytes of this rank's parameters, gradients and optimizer state after a step: the storages
+they live in, each counted once (a DTensor's local shard; FSDP1's flat parameter), summed by this benchmark from
+the objects themselves. Set-up comes in two forms where the implementation has both: **meta init** (the model
+built on the meta device and materialised shard by shard: ``fabric.init_module(empty_init=True)``, ``with
+torch.device("meta")`` by hand) and **materialize then shard** (built whole on every rank first). Step time is
+the median of the timed steps (the slower rank's); jobs run one after another, so the machine's load moves it.
 
-The plot needs matplotlib; without it only the table is written.
+    python benchmarks/fsdp.py [--steps 3] [--sizes small,large] [--only SUBSTRING] [--plot docs/fsdp_benchmark.png]
+
+writes benchmarks/results/fsdp.md (``--results PATH`` elsewhere). The plot needs matplotlib (the bench extra).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
-import torch
-from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Results, clean_env, table  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import table  # noqa: E402
-
-SIZES = {"small": (96, 2), "medium": (192, 4), "large": (384, 4)}  # width, blocks
+SIZES = {"small": (256, 2), "large": (768, 4)}  # width, blocks
 BATCH, SEQ = 8, 32
-BUDGET = 64 << 20  # counted bytes per rank
-IMPLS = ("fsdp", "ddp", "fsdp2-by-hand")
+IMPLS = ("fabriclite fsdp, meta init", "fabriclite fsdp, materialize then shard", "Lightning FSDP, meta init",
+         "Lightning FSDP, materialize then shard", "Lightning ModelParallel, meta init", "FSDP2 by hand, meta init",
+         "FSDP2 by hand, materialize then shard", "fabriclite ddp (unsharded)")
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
+def _blocks() -> Any:
+    import torch
+    from torch import nn
 
-    def forward(self, x):
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.up = nn.Linear(width, 4 * width)
+            self.down = nn.Linear(4 * width, width)
+
+        def forward(self, x: Any) -> Any:
+            return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+    def build(width: int, depth: int) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[Block(width) for _ in range(depth)], nn.LayerNorm(width), nn.Linear(width, width))
+    return Block, build
 
 
-def build(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block(width) for _ in range(depth)], nn.LayerNorm(width), nn.Linear(width, width))
-
-
-def rss_mb() -> float:
+# ---------------------------------------------------------------------------------------------- in a rank
+def _status(field: str) -> float:
+    """``field`` of /proc/self/status in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-    return float("nan")
+    raise KeyError(field)
 
 
-def prepare(impl: str, fabric: Any, fsdp: Any, width: int, depth: int):
-    """(model, optimizer, step function) for one implementation."""
-    from fabriclite.strategies.fsdp2 import counted_bytes
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
 
-    model = build(width, depth)
-    if impl == "fsdp2-by-hand":
+
+def tensor_bytes(model: Any, optimizer: Any) -> Dict[str, int]:
+    """This rank's bytes in parameters, gradients and optimizer state: each storage counted once."""
+    import torch
+
+    seen: set = set()
+
+    def size(t: Any) -> int:
+        if t is None or not isinstance(t, torch.Tensor):
+            return 0
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        if storage.data_ptr() in seen or local.device.type == "meta":
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+    params = list(model.parameters())
+    out = {"params": sum(size(p) for p in params), "grads": sum(size(p.grad) for p in params)}
+    out["optimizer"] = sum(size(v) for state in optimizer.state.values() for v in state.values())
+    return out
+
+
+def _prepare(impl: str, width: int, depth: int) -> Tuple[Any, Any, Callable[[Any], None]]:
+    """(model, optimizer, step) for ``impl``: everything a user writes before the first step."""
+    import torch
+
+    Block, build = _blocks()
+    meta = "meta init" in impl
+    if impl.startswith("FSDP2 by hand"):
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (fabric.world_size,))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        if meta:
+            with torch.device("meta"):
+                model = build(width, depth)
+        else:
+            model = build(width, depth)
         for block in [m for m in model if isinstance(m, Block)]:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if meta:
+            model.to_empty(device="cpu")
+            for module in model.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def step(x):
+        def step(x: Any) -> None:
             opt.zero_grad()
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            model(x).pow(2).mean().backward()
             opt.step()
-        return step, lambda: counted_bytes(model, [opt])
-    runner = fsdp if impl == "fsdp" else fabric
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    wrapped, wopt = runner.setup(model, opt)
+        return model, opt, step
+    if impl.startswith("fabriclite"):
+        from fabriclite import Fabric
+        from fabriclite.strategies import FSDPStrategy
 
-    def step(x):
-        wopt.zero_grad()
-        loss = wrapped(x).pow(2).mean()
-        runner.backward(loss)
-        runner.clip_gradients(wrapped, wopt, max_norm=1.0)
-        wopt.step()
-    inner = wrapped._forward_module
-    return step, lambda: counted_bytes(getattr(inner, "module", inner), [opt])
+        strategy: Any = "ddp" if "ddp" in impl else FSDPStrategy(auto_wrap_policy={Block})
+    else:
+        sys.modules.setdefault("mpi4py", None)  # type: ignore[arg-type]  # Lightning's MPI probe would MPI_Init
+        from lightning.fabric import Fabric
+        from lightning.fabric.strategies import FSDPStrategy as LFSDP, ModelParallelStrategy
+
+        def shard(model: Any, mesh: Any) -> Any:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in [m for m in model if isinstance(m, Block)]:
+                fully_shard(block, mesh=mesh["data_parallel"])
+            return fully_shard(model, mesh=mesh["data_parallel"])
+        world = int(os.environ["WORLD_SIZE"])  # all ranks data-parallel ("auto" puts them on tensor-parallel)
+        strategy = LFSDP(auto_wrap_policy={Block}) if "FSDP" in impl else \
+            ModelParallelStrategy(shard, data_parallel_size=world, tensor_parallel_size=1)
+    fabric = Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=meta):
+        model = build(width, depth)
+    if "ModelParallel" in impl:  # Lightning's order for it: the module first, then the optimizer on its shards
+        model = fabric.setup_module(model)
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    else:
+        model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def step(x: Any) -> None:
+        opt.zero_grad()
+        fabric.backward(model(x).pow(2).mean())
+        opt.step()
+    return model, opt, step
 
 
-def worker(fabric: Any, rounds: int, steps: int) -> Dict[str, Any]:
-    from fabriclite import Fabric
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", message=".*returned a view tensor")  # the last Linear's output on 3-D input
-    from fabriclite.strategies import FSDPStrategy
-
-    fsdp = Fabric(accelerator="cpu", devices=fabric.world_size, strategy=FSDPStrategy(auto_wrap_policy={Block}))
-    fsdp.launch()
+    warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    x = torch.randn(BATCH, SEQ, 1, generator=torch.Generator().manual_seed(fabric.global_rank))
-    times: Dict[str, List[float]] = {}
-    facts: Dict[str, Dict[str, float]] = {}
-    prepared = {}
-    for name, (width, depth) in SIZES.items():
-        inputs = x.expand(BATCH, SEQ, width).contiguous()
-        for impl in IMPLS:
-            step, count = prepare(impl, fabric, fsdp, width, depth)
-            step(inputs)  # warm-up: optimizer state allocated, first all-gathers done
-            params = sum(p.numel() for p in build(width, depth).parameters())
-            facts[f"{name}/{impl}"] = {"counted": count(), "params": params, "rss_mb": rss_mb()}
-            prepared[(name, impl)] = (step, inputs)
-    for _ in range(rounds):
-        for (name, impl), (step, inputs) in prepared.items():
-            fabric.barrier()
-            t = time.perf_counter()
-            for _ in range(steps):
-                step(inputs)
-            fabric.barrier()
-            times.setdefault(f"{name}/{impl}", []).append((time.perf_counter() - t) / steps)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"times": times, "facts": facts, "peak_rss_mb": peak}
+    width, depth = SIZES[args.worker_size]
+    if args.worker_impl.startswith("FSDP2"):
+        dist.init_process_group("gloo")
+    elif args.worker_impl.startswith("fabriclite"):
+        import fabriclite  # noqa: F401  # imports are not set-up: loaded before the start is read
+    else:
+        sys.modules.setdefault("mpi4py", None)  # type: ignore[arg-type]
+        import lightning.fabric  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401  # what every implementation imports lazily, loaded before
+    import torch.distributed.fsdp  # noqa: F401  # the start is read: set-up peaks are then the model's
+    import torch.distributed.tensor  # noqa: F401
+    start = _status("VmRSS")
+    _reset_peak()
+    t0 = time.perf_counter()
+    model, opt, step = _prepare(args.worker_impl, width, depth)
+    setup_s = time.perf_counter() - t0
+    facts: Dict[str, Any] = {"start_mib": start, "setup_peak_mib": _status("VmHWM"), "setup_s": setup_s}
+    rank = dist.get_rank()
+    x = torch.randn(BATCH, SEQ, width, generator=torch.Generator().manual_seed(rank))
+    _reset_peak()
+    step(x)  # warm-up: optimizer state allocated
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        t = time.perf_counter()
+        step(x)
+        times.append(time.perf_counter() - t)
+    facts.update(train_peak_mib=_status("VmHWM"), step_s=statistics.median(times), tensors=tensor_bytes(model, opt))
+    with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
+        json.dump(facts, f)
+    dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+
+def run_job(impl: str, size: str, steps: int) -> List[Dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               os.path.abspath(__file__), "--worker-impl", impl,
+               "--worker-size", size, "--worker-out", out, "--steps", str(steps)]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = clean_env({"OMP_NUM_THREADS": "1",
+                         "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))})
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{impl} / {size} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+
+
+def _params(size: str) -> int:
+    width, depth = SIZES[size]
+    return depth * (8 * width * width + 7 * width) + width * width + 3 * width
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--sizes", default=",".join(SIZES))
+    parser.add_argument("--only", default=None, help="only the implementations whose name contains this")
+    parser.add_argument("--results", default=None, help="the results file (benchmarks/results/fsdp.md)")
     parser.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument("--worker-impl", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-size", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from fabriclite import Fabric
+    if args.worker_impl:
+        worker(args)
+        return
+    results = Results("fsdp")
+    # Lightning's FSDPStrategy refuses CPU ("FSDP is only available on GPU"): its rows need a GPU
+    impls = [i for i in IMPLS if (not args.only or args.only in i) and not i.startswith("Lightning FSDP")]
+    rows, measured = [], {}
+    for size in args.sizes.split(","):
+        for impl in impls:
+            print(f"{size}: {impl}", file=sys.stderr, flush=True)
+            ranks = run_job(impl, size, args.steps)
+            measured[(size, impl)] = ranks
 
-    load_before = os.getloadavg()
-    started = time.time()
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn")
-    results = fabric.launch(_all_ranks, args.rounds, args.steps)
-    elapsed = time.time() - started
-    load_after = os.getloadavg()
-    rows = []
-    for name in SIZES:
-        hand = max(statistics.median(r["times"][f"{name}/fsdp2-by-hand"]) for r in results)
-        for impl in IMPLS:
-            key = f"{name}/{impl}"
-            med = max(statistics.median(r["times"][key]) for r in results)
-            facts = results[0]["facts"][key]
-            per_param = facts["counted"] / facts["params"]
-            rows.append([name, f"{facts['params']:,}", impl, f"{med * 1e3:.1f}", f"{med / hand:.2f}",
-                         f"{facts['counted'] / 2**20:.2f}", " / ".join(f"{r['facts'][key]['rss_mb']:.0f}" for r in results),
-                         f"{BUDGET / per_param / 1e6:.1f}M"])
-    headers = ["size", "params", "implementation", "step ms (median)", "vs by-hand", "counted MiB/rank",
-               "RSS MiB r0 / r1", f"largest in {BUDGET >> 20} MiB/rank"]
-    text = table(headers, rows)
-    peaks = " / ".join(f"{r['peak_rss_mb']:.0f}" for r in results)
-    footer = (f"\n\n2 CPU ranks (gloo), batch {BATCH}x{SEQ}, {args.rounds} interleaved rounds x {args.steps} steps; "
-              f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; peak RSS per rank "
-              f"{peaks} MiB; {elapsed:.0f} s in all.")
-    print(text + footer)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + footer + "\n")
+            def both(fn: Callable[[Dict[str, Any]], float], fmt: str = "{:.0f}") -> str:
+                return " / ".join(fmt.format(fn(r)) for r in ranks)
+            tensors = [sum(r["tensors"].values()) / 2**20 for r in ranks]
+            rows.append([size, f"{_params(size):,}", impl, both(lambda r: r["start_mib"]),
+                         both(lambda r: r["setup_peak_mib"] - r["start_mib"]),
+                         both(lambda r: r["train_peak_mib"] - r["start_mib"]),
+                         " / ".join(f"{t:.1f}" for t in tensors),
+                         f"{max(r['step_s'] for r in ranks) * 1e3:.0f} ms"])
+    headers = ["size", "params", "implementation", "RSS at start, MiB (r0 / r1)", "set-up peak above start, MiB",
+               "training peak above start, MiB", "params+grads+optimizer, MiB (r0 / r1)", "step (median, slower rank)"]
+    body = (f"2 CPU ranks (gloo), batch {BATCH}x{SEQ}, AdamW; each row a fresh 2-rank job; Lightning's FSDPStrategy "
+            f"is left out (it refuses CPU: \"FSDP is only available on GPU\"); peaks from the OS "
+            f"(VmHWM, reset before each phase), above the rank's RSS at the start; tensors summed from the objects "
+            f"after {args.steps + 1} steps.\n\n" + table(headers, rows) + "\n")
+    print(body)
     if args.plot:
-        _plot(rows, args.plot)
-    print(json.dumps({"load": [load_before, load_after], "elapsed_s": elapsed}))
+        _plot(measured, args.plot)
+        body += f"\n![memory per rank]({os.path.relpath(args.plot, os.path.dirname(results.path(args.results)))})\n"
+    results.write(body, path=args.results)
 
 
-def _all_ranks(fabric: Any, rounds: int, steps: int) -> List[Dict[str, Any]]:
-    return fabric.strategy.all_gather_object(worker(fabric, rounds, steps))
-
-
-def _plot(rows: List[List[str]], path: str) -> None:
+def _plot(measured: Dict[Tuple[str, str], List[Dict[str, Any]]], path: str) -> None:
     try:
         import matplotlib
 
@@ -185,19 +284,20 @@ def _plot(rows: List[List[str]], path: str) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for impl in IMPLS:
-        mine = [r for r in rows if r[2] == impl]
-        sizes = [r[0] for r in mine]
-        ax1.plot(sizes, [float(r[3]) for r in mine], marker="o", label=impl)
-        ax2.plot(sizes, [float(r[5]) for r in mine], marker="o", label=impl)
-    ax1.set_ylabel("step time, ms (median)")
-    ax2.set_ylabel("counted MiB per rank")
-    for ax in (ax1, ax2):
-        ax.set_xlabel("model size")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.suptitle("fsdp vs ddp vs hand-written FSDP2, 2 CPU ranks")
+    sizes = sorted({s for s, _ in measured}, key=list(SIZES).index)
+    impls = [i for i in IMPLS if any(i == m for _, m in measured)]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        ys = range(len(impls))
+        setup = [max(r["setup_peak_mib"] - r["start_mib"] for r in measured[(size, i)]) for i in impls]
+        train = [max(r["train_peak_mib"] - r["start_mib"] for r in measured[(size, i)]) for i in impls]
+        ax.barh([y - 0.2 for y in ys], setup, height=0.4, label="set-up peak")
+        ax.barh([y + 0.2 for y in ys], train, height=0.4, label="training peak")
+        ax.set_yticks(list(ys), impls, fontsize=7)
+        ax.set_xlabel("MiB above the rank's start (larger rank)")
+        ax.set_title(f"{size} ({_params(size):,} parameters)")
+        ax.legend(fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

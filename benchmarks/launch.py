@@ -4,7 +4,9 @@
   (script mode for both), and to the job's exit.
 - import: ``import fabriclite`` against ``import torch`` in fresh interpreters.
 
-    python benchmarks/launch.py [--repeats 7] [--markdown docs/benchmarks/launch.md]
+    python benchmarks/launch.py [--repeats 7]
+
+writes benchmarks/results/launch.md (``--results PATH`` elsewhere).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import median, run_python, table  # noqa: E402
+from common import Results, median, run_python, table  # noqa: E402
 
 SCRIPT = """
 import os, sys, time
@@ -40,8 +42,9 @@ def time_launch(path: str) -> tuple:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    parser.add_argument("--results", default=None, help="the results file (benchmarks/results/launch.md)")
     args = parser.parse_args()
+    results = Results("launch")
 
     frameworks = {"fabriclite": "fabriclite", "Lightning Fabric": "lightning.fabric"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,9 +74,9 @@ def main() -> None:
             + "\n\nImport time (fresh interpreter)\n\n"
             + table(["import", "time", "vs torch"], import_rows) + "\n")
     print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
+    import lightning
+
+    results.write(text, extra=[("lightning", lightning.__version__)], path=args.results)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ robin, order rotated each round) and each framework's median over the rounds is 
 - "explicit": OMP_NUM_THREADS=<--threads> for all three.
 
     python benchmarks/training.py [--rounds 5] [--steps 1500] [--threads 1]
+
+writes benchmarks/results/training.md (``--results PATH`` elsewhere).
 """
 from __future__ import annotations
 
@@ -147,6 +149,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="the explicit thread count of the second pass")
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     parser.add_argument("--passes", default="own,explicit", help="which passes: own, explicit or both")
+    parser.add_argument("--results", default=None, help="the results file (benchmarks/results/training.md)")
     args = parser.parse_args()
     if args.worker == "fabriclite":
         return worker_fabric("fabriclite", args)
@@ -158,8 +161,9 @@ def main() -> None:
     if args.worker == "ddp":
         return worker_ddp(args)
 
-    from common import median, table
+    from common import Results, median, table
 
+    results = Results("training")
     frameworks = [f for f in args.frameworks.split(",") if f]
     if "lightning" in frameworks:
         try:
@@ -170,8 +174,9 @@ def main() -> None:
     passes = {title: threads for key, title, threads in
               (("own", "own defaults", None), ("explicit", f"explicit OMP_NUM_THREADS={args.threads}", args.threads))
               if key in args.passes.split(",")}
-    print(f"# training steps/s, 2 CPU ranks (gloo), {os.cpu_count()} cores, {args.rounds} interleaved rounds x "
-          f"{args.steps} steps (after {args.warmup} warm-up), batch {args.batch_size}/rank; median per framework\n")
+    report = [f"Training steps/s, 2 CPU ranks (gloo), {args.rounds} interleaved rounds x {args.steps} steps (after "
+              f"{args.warmup} warm-up), batch {args.batch_size}/rank; median per framework\n"]
+    print(report[0])
     for title, threads in passes.items():
         rates: Dict[str, List[float]] = {f: [] for f in frameworks}
         used: Dict[str, int] = {}
@@ -185,11 +190,13 @@ def main() -> None:
         rows = []
         for framework in frameworks:
             m = median(rates[framework])
-            rows.append([framework, used[framework], f"{m:.1f}", f"{min(rates[framework]):.1f}",
-                         f"{max(rates[framework]):.1f}", f"{m / base:.3f}" if base else "-"])
-        print(f"## {title}\n")
-        print(table(["framework", "threads/rank", "median steps/s", "min", "max", "vs hand-written DDP"], rows))
-        print(flush=True)
+            rows.append([framework, used[framework], f"{m:.1f} steps/s", f"{min(rates[framework]):.1f} steps/s",
+                         f"{max(rates[framework]):.1f} steps/s", f"{m / base:.3f}x" if base else "-"])
+        section = f"## {title}\n\n" + table(["framework", "threads/rank", "median steps/s", "min", "max",
+                                              "vs hand-written DDP"], rows) + "\n"
+        print(section, flush=True)
+        report.append(section)
+    results.write("\n".join(report), path=args.results)
 
 
 if __name__ == "__main__":

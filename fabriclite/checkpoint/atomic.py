@@ -37,7 +37,10 @@ def publish(strategy: Any, path: PathLike, write: Callable[[str], None], directo
     path = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(path)
     if directory:
-        token = strategy.broadcast_object(secrets.token_hex(4) if strategy.is_global_zero else None, 0)
+        # every rank writes into rank 0's temporary: its tag too (a run id can differ between processes that
+        # no supervisor started, e.g. under plain mpirun), or the other ranks' shards go to strays
+        tmp_tag, token = strategy.broadcast_object((tmp_tag, secrets.token_hex(4)) if strategy.is_global_zero
+                                                   else None, 0)
         tmp = tmp_name(parent, name, tmp_tag, token)
         error: Optional[BaseException] = None
         try:

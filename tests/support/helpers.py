@@ -4,11 +4,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 #: the repository's root (this file is tests/support/helpers.py)
 REPO = Path(__file__).resolve().parents[2]
@@ -18,6 +19,33 @@ CLUSTER_VARS = re.compile(
     r"^(SLURM_|OMPI_|PMI_|PMIX_|MV2_|LSB_|JSM_|TORCHELASTIC_|FABRICLITE_|MASTER_ADDR$|MASTER_PORT$|RANK$|"
     r"WORLD_SIZE$|LOCAL_RANK$|LOCAL_WORLD_SIZE$|NODE_RANK$|GROUP_RANK$|XRT_|TPU_|PJRT_)"
 )
+
+
+#: where free_port picks: below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 here), so
+#: no process is handed one of these ports by bind(0) or as a connection's source port between the pick and the
+#: job's own bind
+PORT_RANGE = (20000, 32000)
+_given: Set[int] = set()
+
+
+def free_port() -> int:
+    """A port nothing listens on (checked by binding it on every address), never handed out before in this
+    session, from PORT_RANGE (a start that depends on the process id spreads concurrent sessions apart)."""
+    low, high = PORT_RANGE
+    span = high - low
+    start = (os.getpid() * 7919) % span
+    for k in range(span):
+        port = low + (start + k) % span
+        if port in _given:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE}")
 
 
 def clean_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -5,6 +5,10 @@
 function) and returns the results in rank order; if any rank raised, it raises ``RankError`` with
 every failing rank's traceback. A call that takes longer than ``timeout`` kills the pool (it is
 restarted on the next call) and fails the test: a hang never blocks the suite.
+
+Inside the ranks, ``agree(verdict_group(), example, detail)`` makes every rank raise together when any rank's
+check failed, naming each failed rank: through raw torch.distributed on a group of its own, so a test of
+fabriclite's collectives never trusts them to report their own failure.
 """
 from __future__ import annotations
 
@@ -16,6 +20,24 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fabriclite.distributed import rendezvous
 from fabriclite.supervision.rank_child import die_with_parent
+
+
+def verdict_group() -> Any:
+    """A gloo group of every rank (call on every rank), apart from the group the code under test uses."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
+def agree(group: Any, example: Any, detail: str) -> None:
+    """Every rank learns every rank's verdict (``detail``: '' when this rank's check passed) through ``group``
+    with raw torch.distributed, then all raise together, naming ``example`` and each failed rank's reason."""
+    import torch.distributed as dist
+
+    verdicts: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, detail, group=group)
+    failed = [f"rank {r}: {why}" for r, why in enumerate(verdicts) if why]
+    assert not failed, f"example {example!r} failed on " + "; ".join(failed)
 
 
 class RankError(AssertionError):

@@ -5,8 +5,10 @@ must still give the right values, container types and each rank's own key order 
 Inside real ranks (a gloo group from tests/support/pool.py). Every rank draws the same examples (derandomize=True,
 no database, no shrinking) and builds every rank's collections itself (they are a function of the rank, the
 key and the step), so each rank checks its results against plain torch over every rank's inputs; the ranks
-agree on pass / fail with a collective before asserting, so a failure fails every rank at the same example.
-Odd ranks insert their keys in reverse order.
+agree on pass / fail before asserting, so a failure fails every rank at the same example; the verdicts travel
+through raw torch.distributed on a group of their own (tests/support/pool.py: ``agree``), never through the
+collectives under test, and a failure names the example, the step and each failed rank. Odd ranks insert their
+keys in reverse order.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from pool import agree, verdict_group
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
           "bool": torch.bool, "float16": torch.float16}
@@ -170,6 +173,7 @@ _SETTINGS = dict(derandomize=True, database=None, deadline=None, max_examples=EX
 def _changing_structures(fabric) -> int:
     rank, world = fabric.global_rank, fabric.world_size
     seen = [0]
+    group = verdict_group()
 
     @settings(**_SETTINGS)
     @given(start=_start, steps=_steps)
@@ -187,8 +191,7 @@ def _changing_structures(fabric) -> int:
                 if detail:
                     detail = f"step {step} ({steps[step - 1] if step else 'start'}), {op}: {detail}"
                     break
-            failed = fabric.all_reduce(torch.tensor(1 if detail else 0), reduce_op="max").item()
-            assert not failed, f"rank {rank}: {detail or 'another rank failed'}"
+            agree(group, (start, steps), detail)
 
     prop()
     return seen[0]

@@ -13,8 +13,10 @@ Two modes (``HYPOTHESIS_PROFILE``):
   (``HYPOTHESIS_MAX_EXAMPLES``, default 200): ``HYPOTHESIS_PROFILE=explore pytest tests/integration/collectives/test_collectives_property.py``.
 
 Both use no example database and no shrinking: the ranks draw the same examples (the same seed) and agree on
-pass/fail with a collective before asserting, so a failure on one rank fails every rank at the same example
-instead of leaving the others waiting.
+pass/fail before asserting, so a failure on one rank fails every rank at the same example instead of leaving the
+others waiting. The verdicts travel through raw torch.distributed on a gloo group of their own
+(tests/support/pool.py: ``verdict_group``, ``agree``), never through the collectives under test: a broken all_reduce cannot report success. A
+failure names the example and every rank that failed, with its reason.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
+from pool import agree, verdict_group
 
 Pair = namedtuple("Pair", "left right")
 INTS = ["int8", "uint8", "int16", "uint16", "uint32", "int32", "int64"]
@@ -209,23 +212,18 @@ def _explore(test: Any, run_seed: Optional[int], examples: int) -> None:
     test()
 
 
-def _agree(fabric, ok: bool, detail: str) -> None:
-    """Every rank learns whether any rank failed, then all assert together."""
-    failed = fabric.all_reduce(torch.tensor(0 if ok else 1), reduce_op="max").item()
-    assert not failed, f"rank {fabric.global_rank}: {detail or 'another rank failed'}"
-
-
-def _check(fabric, run, expect) -> None:
+def _check(group, example, run, expect) -> None:
     try:
         ok, detail = expect(run())
     except Exception as err:  # noqa: BLE001 - reported through the agreement
         ok, detail = False, f"{type(err).__name__}: {err}"
-    _agree(fabric, ok, detail)
+    agree(group, example, "" if ok else (detail or "failed"))
 
 
 def _all_reduce_property(fabric, run_seed: Optional[int], examples: int) -> int:
     rank, world = fabric.global_rank, fabric.world_size
     seen = [0]
+    group = verdict_group()
 
     @given(case=_BY_OP)
     def prop(case):
@@ -243,7 +241,7 @@ def _all_reduce_property(fabric, run_seed: Optional[int], examples: int) -> int:
                 if not equal(got, want):
                     return False, f"leaf {k} ({op}): {got!r} != {want!r}"
             return True, ""
-        _check(fabric, lambda: fabric.all_reduce(mine, reduce_op=op), expect)
+        _check(group, (op, bp), lambda: fabric.all_reduce(mine, reduce_op=op), expect)
 
     _explore(prop, run_seed, examples)
     return seen[0]
@@ -252,6 +250,7 @@ def _all_reduce_property(fabric, run_seed: Optional[int], examples: int) -> int:
 def _all_gather_property(fabric, run_seed: Optional[int], examples: int) -> int:
     rank, world = fabric.global_rank, fabric.world_size
     seen = [0]
+    group = verdict_group()
 
     @given(bp=_ANY, cat=st.booleans())
     def prop(bp, cat):
@@ -265,7 +264,7 @@ def _all_gather_property(fabric, run_seed: Optional[int], examples: int) -> int:
                 if not equal(got, want):
                     return False, f"leaf {k} (cat={cat}): {got!r} != {want!r}"
             return True, ""
-        _check(fabric, lambda: fabric.all_gather(mine, cat=cat), expect)
+        _check(group, (bp, f"cat={cat}"), lambda: fabric.all_gather(mine, cat=cat), expect)
 
     _explore(prop, run_seed, examples)
     return seen[0]
@@ -274,6 +273,7 @@ def _all_gather_property(fabric, run_seed: Optional[int], examples: int) -> int:
 def _broadcast_property(fabric, run_seed: Optional[int], examples: int) -> int:
     rank, world = fabric.global_rank, fabric.world_size
     seen = [0]
+    group = verdict_group()
 
     @given(bp=_ANY, src=st.integers(0, 7))
     def prop(bp, src):
@@ -288,7 +288,7 @@ def _broadcast_property(fabric, run_seed: Optional[int], examples: int) -> int:
                 if type(g) is not type(w) or not equal(g, w):
                     return False, f"leaf {k}: {g!r} != {w!r}"
             return True, ""
-        _check(fabric, lambda: fabric.broadcast(mine, src=src), expect)
+        _check(group, (bp, f"src={src}"), lambda: fabric.broadcast(mine, src=src), expect)
 
     _explore(prop, run_seed, examples)
     return seen[0]

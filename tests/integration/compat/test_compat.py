@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+from helpers import free_port
 
 #: the first test waits for the four jobs (about 2 minutes at a load average of 20 on 2 cores)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -34,12 +34,6 @@ CLI_PROGRAMS = ["prog_cli_script", "prog_lightning_module", "prog_loggers", "pro
                 "prog_checkpoint", "prog_grad_accum", "prog_collectives"]
 SPAWN_PROGRAMS = ["prog_launch_spawn", "prog_run_subclass"]
 JOB_TIMEOUT = 480
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli_command(framework: str, outdir: Path) -> List[str]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import json_lines, run, write_script
+from helpers import free_port, json_lines, run, write_script
 
 NO_LAUNCH = """
     import json, sys
@@ -72,11 +72,7 @@ def test_fabriclite_run_joins_in_init(tmp_path):
 @pytest.mark.slow
 def test_lightning_cli_contract_joins_in_init(tmp_path):
     """What `fabric run --accelerator=cpu --devices=2` does: LT_* variables, then torchrun."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = write_script(tmp_path, NO_LAUNCH)
     env = {"LT_CLI_USED": "1", "LT_ACCELERATOR": "cpu", "LT_DEVICES": "2", "LT_NUM_NODES": "1",
            "OMP_NUM_THREADS": "1"}

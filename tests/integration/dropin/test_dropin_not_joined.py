@@ -3,7 +3,9 @@ every set-up call, collective, save and load raises fabriclite's RuntimeError na
 `fabriclite run`, and nothing reaches torch.distributed. One process, no ranks started."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, Tuple
 
 import pytest
 import torch
@@ -43,12 +45,23 @@ def _calls(tmp_path: Any) -> Dict[str, Callable[[Fabric], Any]]:
         "reduce": lambda f: f.reduce(torch.ones(1)),
         "rank_zero_first": lambda f: f.rank_zero_first().__enter__(),
         "gather_eval": lambda f: f.gather_eval(torch.ones(1), loader),
-        "save": lambda f: f.save(tmp_path / "c.ckpt", {"w": torch.ones(1)}),
+        "save": lambda f: f.save(tmp_path / "new.ckpt", {"w": torch.zeros(3)}),
         "load": lambda f: f.load(tmp_path / "c.ckpt"),
         "load_raw": lambda f: f.load_raw(tmp_path / "c.ckpt", model),
         "load_latest": lambda f: f.load_latest(tmp_path),
         "check_preempted": lambda f: f.check_preempted(),
     }
+
+
+def _tree(root: Path) -> Dict[str, Tuple[int, int, int]]:
+    """Every file and folder under ``root`` (hidden temporaries too): (inode, size, mtime_ns) by relative path."""
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            st = os.lstat(path)
+            out[os.path.relpath(path, root)] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
 
 
 @pytest.mark.parametrize("where", ["script", *LAUNCHERS])
@@ -59,13 +72,14 @@ def test_every_call_before_joining_raises(tmp_path, no_launch_env, where):
     expected_env = {"script": "Local", "torchrun": "TorchElastic", "srun": "SLURM", "mpirun": "MPI"}[where]
     assert expected_env.lower() in type(fabric.strategy.cluster_environment).__name__.lower()
     torch.save({"w": torch.ones(1)}, tmp_path / "c.ckpt")
+    before = _tree(tmp_path)
     for name, call in _calls(tmp_path).items():
         with pytest.raises(RuntimeError) as info:
             call(fabric)
         message = str(info.value)
         assert f"fabric.{name}()" in message and "fabric.launch()" in message and "fabriclite run" in message, message
     assert not dist.is_initialized()  # nothing reached torch.distributed
-    assert torch.load(tmp_path / "c.ckpt") == {"w": torch.ones(1)}  # save wrote nothing
+    assert _tree(tmp_path) == before, "a call before launch() changed the checkpoint folder"  # save wrote nothing
 
 
 def test_lightning_raises_on_the_same_set_up_calls(tmp_path, no_launch_env):

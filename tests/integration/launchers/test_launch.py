@@ -1,13 +1,12 @@
 """Launching real processes: script mode, spawn/fork, `fabriclite run`, several nodes on this machine."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from helpers import clean_env, json_lines, python, run, write_script
+from helpers import clean_env, free_port, json_lines, python, run, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +23,6 @@ FACTS = """
         threads=__import__("torch").get_num_threads(), argv=sys.argv[1:])) + "\\n")
     sys.stdout.flush()  # one write per line: ranks share the pipe
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def expected(world: int, per_node: int, nodes: int):

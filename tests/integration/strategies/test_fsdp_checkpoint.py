@@ -203,6 +203,50 @@ def test_failed_saves_keep_the_previous_checkpoint_and_missing_shards_are_named(
         assert "3.fc1.weight" in r["strict"], r["strict"]  # the key the checkpoint lacks is named
 
 
+def _one_rank_cannot_write(fabric, root, failing):
+    """A sharded save (keep=, so the manifest is its commit point) whose shard cannot be written on rank
+    ``failing`` only: that process may write no file larger than 0 bytes (RLIMIT_FSIZE, as a full quota would;
+    SIGXFSZ ignored, so the write raises EFBIG), a real error on one rank inside the write every rank takes
+    part in."""
+    import resource
+    import signal
+
+    fsdp = fsdp_fabric(fabric.world_size)
+    model, opt = _setup(fsdp)
+    fsdp.save(os.path.join(root, "step-1"), {"model": model, "optimizer": opt, "version": 1}, keep=3)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.getsignal(signal.SIGXFSZ)
+    out = {}
+    if fsdp.global_rank == failing:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, limit[1]))
+    try:
+        fsdp.save(os.path.join(root, "step-2"), {"model": model, "optimizer": opt, "version": 2}, keep=3)
+        out["error"] = None
+    except BaseException as err:  # noqa: BLE001 - torch.distributed.checkpoint's errors are BaseExceptions
+        out["error"] = f"{type(err).__name__}: {err}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    fsdp.strategy.barrier()  # every rank is out of the failed save
+    out["listing"] = sorted(os.listdir(root))
+    state = {"model": model, "optimizer": opt, "version": 0}
+    out["latest"] = os.path.basename(fsdp.load_latest(root, state) or "")
+    out["version"] = state["version"]
+    return out
+
+
+@pytest.mark.parametrize("failing", [1, 0])
+def test_a_sharded_save_failing_on_one_rank_raises_on_every_rank_and_counts_for_nothing(pool2, tmp_path, failing):
+    results = pool2.run(_one_rank_cannot_write, str(tmp_path), failing)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, f"rank {rank} did not raise"
+        assert f"rank(s) [{failing}]" in r["error"] or f"ranks:dict_keys([{failing}])" in r["error"], r["error"]
+        # no temporary, no step-2: the manifest still names step-1, which loads
+        assert [n for n in r["listing"] if "manifest" not in n] == ["step-1"], r["listing"]
+        assert (r["latest"], r["version"]) == ("step-1", 1)
+
+
 def test_two_rank_checkpoint_loads_on_three_ranks(round_trip, pool3):
     results, root = round_trip
     r0 = results[0]

@@ -12,15 +12,10 @@ from typing import Dict, List
 import pytest
 
 from faults_harness import (END_BOUND_S, Job, assert_nothing_left, cli_job, kill_tree, living, run_jobs,
-                                 script_job)
+                            script_job)
+from helpers import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def node(tmp: Path, name: str, node_rank: int, port: int, fail_rank: int, fault: str = "raise") -> Job:

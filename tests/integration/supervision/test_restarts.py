@@ -14,6 +14,10 @@ import pytest
 from restart_harness import REFERENCE, keep_reference, reference_job, run_many, same, weights
 
 
+#: the module's jobs run in its first test's fixture, at most restart_harness.MAX_JOBS at once: measured 263 s at load
+#: 13-20 on the 2 cores (over pytest's default 300 s at load 20-36); the bound is 4.5x the measured time
+pytestmark = pytest.mark.timeout(1200)
+
 #: bad flags and the message each must end with (one error line, exit 2, before anything starts)
 BAD_FLAGS = [
     (["--max-restarts", "-1"], "--max-restarts='-1': expected a whole number >= 0"),

@@ -21,18 +21,13 @@ from fabriclite.supervision.rank_child import is_secondary, write_error_file
 from fabriclite.supervision.failures import Failure, remote_is_root, root_cause, summarize
 from fabriclite.supervision.reaper import Reaper
 from fabriclite.supervision.rank_watch import CollectiveTimeout, CollectiveWatch, PeerLost
+from helpers import free_port
 
 
 @pytest.fixture()
 def store() -> Iterator[dist.Store]:
     server = rendezvous.host_store("127.0.0.1", 0, timedelta(seconds=10))
     yield rendezvous.prefixed(server, rendezvous.KEY_PREFIX)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------------- summaries
@@ -250,16 +245,20 @@ def test_a_signal_ends_the_wait_for_node_0s_store() -> None:
     assert supervisor.summary == "fabriclite: stopped every rank on node 1 on SIGINT."
 
 
-def test_ranks_that_ignore_sigterm_are_killed_and_named() -> None:
+def test_ranks_that_ignore_sigterm_are_killed_and_named(tmp_path) -> None:
     import sys
 
     from fabriclite.supervision.output_forwarding import OutputOptions
     from fabriclite.launchers.subprocess_script import PopenWorker
     from fabriclite.supervision.supervisor import NodeLayout, Supervisor
 
-    code = ("import os, signal, time\n"
-            "if os.environ['FABRICLITE_RANK'] == '0': raise SystemExit(4)\n"
+    ignoring = str(tmp_path / "rank1-ignores-sigterm")  # rank 0 fails only once rank 1 ignores SIGTERM (on a loaded
+    code = ("import os, signal, time\n"  # machine rank 0 could otherwise fail before rank 1 got that far)
+            f"if os.environ['FABRICLITE_RANK'] == '0':\n"
+            f"    while not os.path.exists({ignoring!r}): time.sleep(0.01)\n"
+            "    raise SystemExit(4)\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            f"open({ignoring!r}, 'w').close()\n"
             "time.sleep(60)\n")
     layout = NodeLayout(num_nodes=1, node_rank=0, local_world_size=2)
     supervisor = Supervisor(layout, "127.0.0.1", 0, timedelta(seconds=10), OutputOptions(), grace_s=0.5,
