@@ -174,7 +174,8 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
     address = advertised_address(host)
     live = LiveOptions(f"{host}:{port}", node_rank, num_nodes, min_replicas, address,
                        host_lighthouse=node_rank == 0 and args.lighthouse is None)
-    extra_env = {CLI_ENV["strategy"]: "fault_tolerant", CLI_ENV["devices"]: "1", CLI_USED_ENV: "1", **live.to_env()}
+    extra_env = {CLI_ENV["strategy"]: "fault_tolerant", CLI_ENV["devices"]: "1", CLI_USED_ENV: "1", **live.to_env(),
+                 "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's Rust side logs every quorum at info
     for name, value in (("accelerator", args.accelerator), ("precision", args.precision)):
         if value is not None:
             extra_env[CLI_ENV[name]] = value

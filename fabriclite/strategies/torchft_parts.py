@@ -11,13 +11,13 @@ Two fixes of torchft 0.2 live here, each the smallest subclass that works:
   Manager starts heartbeating, and uses the process-group checkpoint transport (torchft's HTTP transport
   advertises ``gethostname()``, which maps to 127.0.1.1 on Debian hosts, and binds IPv6 only).
 """
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: DDP checks the comm hook's annotations as objects
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
 import torch._dynamo  # noqa: F401 - see build_manager
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torchft.checkpointing.pg_transport import PGTransport
@@ -31,7 +31,7 @@ from fabriclite.supervision.lighthouse import LiveOptions
 
 def build_manager(options: LiveOptions, group_rank: int, group_world_size: int, store_address: str,
                   store_port: int, timeout: timedelta, quorum_timeout: timedelta,
-                  connect_timeout: timedelta) -> Manager:
+                  connect_timeout: timedelta) -> "Manager":
     """This replica group's Manager: its store is the group's own (``store_address:store_port``, hosted by the
     node's supervisor at the node's advertised address), its replica id ``group_<node rank>``, and a heal's
     state travels over the cross-group gloo process group. ``init_sync``: every group starts from group 0's
@@ -69,7 +69,7 @@ class ReplicaDDP(DistributedDataParallel):
         super().__init__(manager, module)
 
     @staticmethod
-    def _comm_hook(state: Manager, bucket: Any) -> torch.futures.Future:
+    def _comm_hook(state: Manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         work = state.allreduce(bucket.buffer())
         work.wait()
         future = work.get_future()

@@ -111,7 +111,8 @@ class Lighthouse:
         load_prctl()
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        preexec_fn=lambda: die_with_parent(parent))
+                                        preexec_fn=lambda: die_with_parent(parent),
+                                        env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
         self.pid = self.process.pid
         self._log_path = log_path
 
@@ -128,6 +129,8 @@ class Lighthouse:
     def groups_alive(self) -> Optional[List[str]]:
         """The replica groups the lighthouse has heard from within its heartbeat timeout (from its status
         page); None when it does not answer."""
+        import urllib.request
+
         try:
             with urllib.request.urlopen(f"http://{self.host}:{self.port}/status", timeout=2) as reply:
                 page = reply.read().decode("utf-8", "replace")
@@ -163,11 +166,12 @@ class Lighthouse:
 
 
 def live_groups(page: str, heartbeat_timeout_s: float) -> List[str]:
-    """The replica ids whose last heartbeat, as torchft's lighthouse status page lists it, is younger than
-    ``heartbeat_timeout_s``."""
+    """The replica ids whose last heartbeat, as torchft's lighthouse status page lists it ("<id>: seen 1.35s ago",
+    a Rust Duration), is younger than ``heartbeat_timeout_s``."""
+    units = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
     alive = []
-    for replica, age in re.findall(r"<li>\s*([^<:]+?)\s*:\s*([0-9.]+)s\s*ago\s*</li>", page.replace("\n", " ")):
-        if float(age) < heartbeat_timeout_s:
+    for replica, value, unit in re.findall(r"([^\s<>]+): seen ([0-9.]+)(ns|µs|us|ms|s) ago", page):
+        if float(value) * units[unit] < heartbeat_timeout_s:
             alive.append(replica)
     return alive
 

@@ -1,0 +1,65 @@
+"""The script the ft lane runs under ``fabriclite run --fault-tolerant``: a plain Fabric training loop (no torchft
+import) that keeps its step in the state dict it passes to ``load_latest``, never saves a checkpoint (a healed
+state can only come from a live peer), and appends one line per loop iteration to ``OUT/steps-<group>.txt``:
+
+    start <restart round> <step after load_latest> <time> <what load_latest returned>
+    <step after this iteration> <time> <1 if the step committed else 0>
+
+At the end it writes its weights to ``OUT/final-<group>.pt``. ``FT_KILL_GROUP`` / ``FT_KILL_STEP`` /
+``FT_KILL_WHERE`` (``between``: after a committed step; ``allreduce``: after the forward, while the others wait
+in the gradient all-reduce) SIGKILL that group's rank in its first incarnation (``FT_KILL_ROUNDS``: in its
+first N).
+"""
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+from fabriclite import Fabric
+
+out, steps = sys.argv[1], int(sys.argv[2])
+pace = float(os.environ.get("FT_PACE", "0.02"))
+kill_groups = [int(g) for g in os.environ.get("FT_KILL_GROUP", "").split(",") if g]
+kill_step = int(os.environ.get("FT_KILL_STEP", "-1"))
+kill_where = os.environ.get("FT_KILL_WHERE", "between")
+kill_rounds = int(os.environ.get("FT_KILL_ROUNDS", "1"))
+
+fabric = Fabric()
+group = int(os.environ["FABRICLITE_FT_GROUP"])
+torch.manual_seed(1234 + group)  # different initial weights per group: init_sync must make them equal
+model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+model, optimizer = fabric.setup(model, optimizer)
+state = {"model": model, "optimizer": optimizer, "step": 0}
+log = open(os.path.join(out, f"steps-{group}.txt"), "a", buffering=1)
+source = fabric.load_latest(os.path.join(out, "checkpoints"), state)
+log.write(f"start {fabric.restart_count} {state['step']} {time.time():.4f} {source}\n")
+dies = group in kill_groups and fabric.restart_count < kill_rounds
+
+
+def die(where: str) -> None:
+    if dies and kill_where == where and state["step"] == kill_step:
+        if where == "allreduce":
+            time.sleep(0.3)  # the other groups are inside the all-reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+while state["step"] < steps:
+    optimizer.zero_grad()
+    gen = torch.Generator().manual_seed(100_000 * group + state["step"])
+    x = torch.randn(32, 16, generator=gen)
+    loss = ((model(x) - x.sum(1, keepdim=True).tanh()) ** 2).mean()
+    die("allreduce")
+    fabric.backward(loss)
+    committed = optimizer.step()
+    if committed:
+        state["step"] += 1
+    log.write(f"{state['step']} {time.time():.4f} {int(bool(committed))}\n")
+    die("between")
+    time.sleep(pace)
+
+torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"final-{group}.pt"))
+log.write(f"end {state['step']} {time.time():.4f}\n")
