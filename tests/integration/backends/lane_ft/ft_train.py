@@ -5,10 +5,13 @@ state can only come from a live peer), and appends one line per loop iteration t
     start <restart round> <step after load_latest> <time> <what load_latest returned>
     <step after this iteration> <time> <1 if the step committed else 0>
 
-At the end it writes its weights to ``OUT/final-<group>.pt``. ``FT_KILL_GROUP`` / ``FT_KILL_STEP`` /
+A group stops once it has reached ``STEPS``, made a step since it started and every group named in
+``FT_WAIT_BACK`` (default: the killed ones) has come back (a ``start`` line of round >= 1 in its log): the healthy
+groups keep training while a killed one restarts, however slow the restart, and all end at the same step. At the
+end it writes its weights to ``OUT/final-<group>.pt``. ``FT_KILL_GROUP`` / ``FT_KILL_STEP`` /
 ``FT_KILL_WHERE`` (``between``: after a committed step; ``allreduce``: after the forward, while the others wait
-in the gradient all-reduce) SIGKILL that group's rank in its first incarnation (``FT_KILL_ROUNDS``: in its
-first N).
+in the gradient all-reduce) SIGKILL that group's rank at the first step >= FT_KILL_STEP of its first incarnation
+(``FT_KILL_ROUNDS``: of its first N).
 """
 import os
 import signal
@@ -26,6 +29,17 @@ kill_groups = [int(g) for g in os.environ.get("FT_KILL_GROUP", "").split(",") if
 kill_step = int(os.environ.get("FT_KILL_STEP", "-1"))
 kill_where = os.environ.get("FT_KILL_WHERE", "between")
 kill_rounds = int(os.environ.get("FT_KILL_ROUNDS", "1"))
+wait_back = [int(g) for g in os.environ.get("FT_WAIT_BACK", os.environ.get("FT_KILL_GROUP", "")).split(",") if g]
+
+
+def all_back() -> bool:
+    for g in wait_back:
+        path = os.path.join(out, f"steps-{g}.txt")
+        lines = open(path).read().splitlines() if os.path.exists(path) else []
+        if not any(line.startswith("start ") and int(line.split()[1]) >= 1 for line in lines):
+            return False
+    return True
+
 
 fabric = Fabric()
 group = int(os.environ["FABRICLITE_FT_GROUP"])
@@ -41,13 +55,14 @@ dies = group in kill_groups and fabric.restart_count < kill_rounds
 
 
 def die(where: str) -> None:
-    if dies and kill_where == where and state["step"] == kill_step:
+    if dies and kill_where == where and state["step"] >= kill_step:
         if where == "allreduce":
             time.sleep(0.3)  # the other groups are inside the all-reduce by now
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-while state["step"] < steps:
+done = 0
+while not (state["step"] >= steps and done > 0 and all_back()):
     optimizer.zero_grad()
     gen = torch.Generator().manual_seed(100_000 * group + state["step"])
     x = torch.randn(32, 16, generator=gen)
@@ -57,6 +72,7 @@ while state["step"] < steps:
     committed = optimizer.step()
     if committed:
         state["step"] += 1
+        done += 1
     log.write(f"{state['step']} {time.time():.4f} {int(bool(committed))}\n")
     die("between")
     time.sleep(pace)
