@@ -19,6 +19,7 @@ torchft is imported only when the Manager is built (the first ``setup`` or ``loa
 """
 from __future__ import annotations
 
+import importlib.util
 from datetime import timedelta
 from typing import Any, Callable, Dict, Optional
 
@@ -38,7 +39,7 @@ HEAL_ATTEMPTS = 5
 
 class FaultTolerantStrategy(DDPStrategy):
     """One torchft replica group per node (see the module docstring). Runs only in ranks started by
-    ``fabriclite run --fault-tolerant``: ``setup_environment`` raises RuntimeError elsewhere."""
+    ``fabriclite run --fault-tolerant`` (``check_configuration`` raises ValueError elsewhere)."""
 
     name = "fault_tolerant"
 
@@ -52,12 +53,18 @@ class FaultTolerantStrategy(DDPStrategy):
         self._quorum_open = False
 
     # ------------------------------------------------------------------ set-up
-    def setup_environment(self) -> None:
+    def check_configuration(self, accelerator: str, world_size: int) -> None:
+        """ValueError at ``Fabric(...)``, before anything starts: torchft missing, not started by ``fabriclite run
+        --fault-tolerant``, or more than one rank per node."""
+        if importlib.util.find_spec("torchft") is None:
+            raise ValueError(f"strategy='fault_tolerant' needs torchft, which is not installed: {FT_EXTRA}.")
         self.options = LiveOptions.from_env()
         if self.options is None:
-            raise RuntimeError("strategy='fault_tolerant' runs only in a script started by `fabriclite run "
-                               "--fault-tolerant --num-nodes N --node-rank I ...` (each node one replica group).")
-        super().setup_environment()
+            raise ValueError("strategy='fault_tolerant' runs in a script started by `fabriclite run --fault-tolerant "
+                             "--num-nodes N --node-rank I ...` (each node one replica group); start it that way.")
+        if world_size != 1:
+            raise ValueError(f"strategy='fault_tolerant' runs one rank per node (torchft 0.2's DDP reduces across "
+                             f"nodes, not inside one); got {world_size} ranks here. Use devices=1.")
 
     @property
     def distributed_sampler_kwargs(self) -> Dict[str, int]:

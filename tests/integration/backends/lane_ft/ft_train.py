@@ -3,6 +3,7 @@ import) that keeps its step in the state dict it passes to ``load_latest``, neve
 state can only come from a live peer), and appends one line per loop iteration to ``OUT/steps-<group>.txt``:
 
     start <restart round> <step after load_latest> <time> <what load_latest returned>
+    process <restart round> <the process's start time>
     <step after this iteration> <time> <1 if the step committed else 0>
 
 A group stops once it has reached ``STEPS``, made a step since it started and every group named in
@@ -13,15 +14,18 @@ end it writes its weights to ``OUT/final-<group>.pt``. ``FT_KILL_GROUP`` / ``FT_
 in the gradient all-reduce) SIGKILL that group's rank at the first step >= FT_KILL_STEP of its first incarnation
 (``FT_KILL_ROUNDS``: of its first N).
 """
-import os
-import signal
-import sys
 import time
 
-import torch
-from torch import nn
+STARTED = time.time()  # the process's start, before torch is imported (the benchmark's restart-to-step time)
 
-from fabriclite import Fabric
+import os  # noqa: E402
+import signal
+import sys  # noqa: E402
+
+import torch
+from torch import nn  # noqa: E402
+
+from fabriclite import Fabric  # noqa: E402
 
 out, steps = sys.argv[1], int(sys.argv[2])
 pace = float(os.environ.get("FT_PACE", "0.02"))
@@ -42,7 +46,7 @@ def all_back() -> bool:
 
 
 fabric = Fabric()
-group = int(os.environ["FABRICLITE_FT_GROUP"])
+group = int(os.environ.get("FABRICLITE_FT_GROUP", fabric.global_rank))  # plain ddp (the benchmark's baseline): the rank
 torch.manual_seed(1234 + group)  # different initial weights per group: init_sync must make them equal
 model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
@@ -51,6 +55,7 @@ state = {"model": model, "optimizer": optimizer, "step": 0}
 log = open(os.path.join(out, f"steps-{group}.txt"), "a", buffering=1)
 source = fabric.load_latest(os.path.join(out, "checkpoints"), state)
 log.write(f"start {fabric.restart_count} {state['step']} {time.time():.4f} {source}\n")
+log.write(f"process {fabric.restart_count} {STARTED:.4f}\n")
 dies = group in kill_groups and fabric.restart_count < kill_rounds
 
 
@@ -69,7 +74,7 @@ while not (state["step"] >= steps and done > 0 and all_back()):
     loss = ((model(x) - x.sum(1, keepdim=True).tanh()) ** 2).mean()
     die("allreduce")
     fabric.backward(loss)
-    committed = optimizer.step()
+    committed = optimizer.step() is not False  # --fault-tolerant: whether the quorum committed; ddp: None
     if committed:
         state["step"] += 1
         done += 1
