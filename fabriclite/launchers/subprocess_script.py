@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence
 
 from fabriclite.launchers.base import Launcher
+from fabriclite.launchers.warm_spare import Spares
 from fabriclite.distributed.rendezvous import RendezvousError
 from fabriclite.supervision.rank_child import die_with_parent, load_prctl
 from fabriclite.supervision.lighthouse import LiveOptions
@@ -57,12 +58,22 @@ def run_supervised(command: Sequence[str], layout: Layout, main_address: str, ma
     joined)."""
     supervisor = Supervisor(layout, main_address, main_port, timeout, output, extra_env=extra_env,
                             restarts=restarts, preempt=preempt or PreemptOptions.from_env(), live=live)
+    # live recovery: a restarted rank is a warm spare, its imports done (launchers/warm_spare.py)
+    spares = Spares(command, supervisor.output) if live is not None and restarts and restarts.max_restarts else None
+
+    def start(local_rank: int, env: Dict[str, str]) -> Any:
+        rank = layout.global_rank(local_rank)
+        spare = spares.start(local_rank, env, rank, restart=supervisor.round > 0) if spares is not None else None
+        return spare or PopenWorker(command, env, supervisor.output, rank)
+
     try:
-        return supervisor.run(lambda local_rank, env: PopenWorker(command, env, supervisor.output,
-                                                                  layout.global_rank(local_rank)))
+        return supervisor.run(start)
     except RendezvousError as err:
         print_summary(str(err))
         return 1
+    finally:
+        if spares is not None:
+            spares.close()
 
 
 class SubprocessScriptLauncher(Launcher):

@@ -38,15 +38,17 @@ class Node:
 
 def start_nodes(out: Path, steps: int, nodes: int = 3, args: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
                 port: Optional[int] = None, ranks: Optional[Sequence[int]] = None, script: Path = TRAIN,
-                python: str = sys.executable) -> List[Node]:
+                python: str = sys.executable, fault_tolerant: bool = True) -> List[Node]:
     """Start ``fabriclite run --fault-tolerant --num-nodes N --node-rank i`` for each ``i`` in ``ranks`` (default
-    all), the script writing under ``out``. Output goes to ``out/node<i>.log``."""
+    all), the script writing under ``out``. Output goes to ``out/node<i>.log``. ``fault_tolerant=False``: the same
+    nodes as one plain ddp job (one rank each)."""
     out.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     started = []
     for rank in (range(nodes) if ranks is None else ranks):
         log_path = out / f"node{rank}.log"
-        command = [python, "-m", "fabriclite.cli", "run", "--fault-tolerant", "--num-nodes", str(nodes),
+        mode = ["--fault-tolerant"] if fault_tolerant else ["--accelerator", "cpu", "--devices", "1"]
+        command = [python, "-m", "fabriclite.cli", "run", *mode, "--num-nodes", str(nodes),
                    "--node-rank", str(rank), "--main-port", str(port), *args, str(script), str(out), str(steps)]
         process = subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=str(out),
                                    env=clean_env({"PYTHONPATH": str(REPO), **(env or {})}))
