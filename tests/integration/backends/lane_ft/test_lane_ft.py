@@ -5,8 +5,8 @@ that resumes ahead of step 0 got its state from a live peer.
 
 Time bounds (measured on the loaded 2-core machine, 3 nodes of this lane plus ~5 other test runs): a run of 160
 paced steps takes 25-45 s; the healthy groups' longest gap between committed steps around a fault was
-0.4-1.1 s, bounded here by the issue's 10 s; the lighthouse-unreachable error came after 3.0-3.4 s with
---timeout 3, bounded at 20 s (the interpreter start under load included)."""
+0.4-1.3 s, bounded here by the issue's 10 s; with --timeout 3 the lighthouse-unreachable error reports the
+supervisor's 3 s wait (the whole command took 13.8-55 s under load, bounded at 170 s)."""
 from __future__ import annotations
 
 import time
@@ -23,11 +23,14 @@ STEPS = 80
 RUN_TIMEOUT_S = 180
 #: the issue's bound on the healthy groups' longest gap between committed steps on the loaded CI machine
 MAX_GAP_S = 10.0
-FAST_RESTART = {"FABRICLITE_RESTART_BACKOFF": "0.2", "FT_PACE": "0.05"}
+#: a restarted rank is a warm spare and heals within about a second of the kill, faster than the lighthouse drops
+#: two lost groups (heartbeat timeout 1 s): a 2 s backoff keeps the node down long enough to see the others commit
+#: without it
+RESTART = {"FABRICLITE_RESTART_BACKOFF": "2", "FT_PACE": "0.05"}
 
 
 def run_job(out: Path, env: Dict[str, str], args: List[str] = (), steps: int = STEPS) -> List:
-    nodes = wait_nodes(start_nodes(out, steps, args=list(args), env={**FAST_RESTART, **env}), RUN_TIMEOUT_S)
+    nodes = wait_nodes(start_nodes(out, steps, args=list(args), env={**RESTART, **env}), RUN_TIMEOUT_S)
     return nodes
 
 
@@ -121,12 +124,14 @@ def test_a_node_whose_restarts_are_used_up_fails_alone(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_an_unreachable_lighthouse_is_one_line_naming_it(tmp_path: Path) -> None:
     start = time.monotonic()
-    nodes = wait_nodes(start_nodes(tmp_path, 10, args=["--timeout", "3"], ranks=[1], port=1), 60)
+    nodes = wait_nodes(start_nodes(tmp_path, 10, args=["--timeout", "3"], ranks=[1], port=1), 180)
     took = time.monotonic() - start
     lines = [line for line in nodes[0].output.splitlines() if line.strip()]
     assert nodes[0].code == 1, nodes[0].output
-    assert len(lines) == 1 and "could not reach the lighthouse at 127.0.0.1:1" in lines[0], nodes[0].output
-    assert took < 20, took  # --timeout 3: measured 3.0-3.4 s plus the interpreter's start
+    assert len(lines) == 1 and "could not reach the lighthouse at 127.0.0.1:1 within 3 s (timeout 3 s)" in lines[0], \
+        nodes[0].output  # the supervisor's own wait: the --timeout, to the second
+    # the whole command, interpreter start under load included: measured 13.8 s and 55 s on the loaded machine
+    assert took < 170, took
 
 
 @pytest.mark.slow
