@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from helpers import REPO, clean_env
 
@@ -38,10 +38,12 @@ class Node:
 
 def start_nodes(out: Path, steps: int, nodes: int = 3, args: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
                 port: Optional[int] = None, ranks: Optional[Sequence[int]] = None, script: Path = TRAIN,
-                python: str = sys.executable, fault_tolerant: bool = True) -> List[Node]:
+                python: str = sys.executable, fault_tolerant: bool = True,
+                spawn: Optional[Callable[..., subprocess.Popen]] = None) -> List[Node]:
     """Start ``fabriclite run --fault-tolerant --num-nodes N --node-rank i`` for each ``i`` in ``ranks`` (default
     all), the script writing under ``out``. Output goes to ``out/node<i>.log``. ``fault_tolerant=False``: the same
-    nodes as one plain ddp job (one rank each)."""
+    nodes as one plain ddp job (one rank each). ``spawn(rank, command, env, **popen_kwargs)`` starts a node's
+    command elsewhere (a network namespace: tests/integration/netns/cluster.py) instead of here."""
     out.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     started = []
@@ -50,8 +52,10 @@ def start_nodes(out: Path, steps: int, nodes: int = 3, args: Sequence[str] = (),
         mode = ["--fault-tolerant"] if fault_tolerant else ["--accelerator", "cpu", "--devices", "1"]
         command = [python, "-m", "fabriclite.cli", "run", *mode, "--num-nodes", str(nodes),
                    "--node-rank", str(rank), "--main-port", str(port), *args, str(script), str(out), str(steps)]
-        process = subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=str(out),
-                                   env=clean_env({"PYTHONPATH": str(REPO), **(env or {})}))
+        kwargs = dict(stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=str(out))
+        full_env = clean_env({"PYTHONPATH": str(REPO), **(env or {})})
+        process = spawn(rank, command, full_env, **kwargs) if spawn else subprocess.Popen(command, env=full_env,
+                                                                                             **kwargs)
         started.append(Node(rank, process, log_path))
     return started
 
