@@ -59,7 +59,7 @@ def run_supervised(command: Sequence[str], layout: Layout, main_address: str, ma
     supervisor = Supervisor(layout, main_address, main_port, timeout, output, extra_env=extra_env,
                             restarts=restarts, preempt=preempt or PreemptOptions.from_env(), live=live)
     # live recovery: a restarted rank is a warm spare, its imports done (launchers/warm_spare.py)
-    spares = Spares(command, supervisor.output) if live is not None and restarts and restarts.max_restarts else None
+    spares = Spares.for_job(command, supervisor.output, supervisor.restarts.max_restarts) if live is not None else None
 
     def start(local_rank: int, env: Dict[str, str]) -> Any:
         rank = layout.global_rank(local_rank)

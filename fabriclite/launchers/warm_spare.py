@@ -2,9 +2,9 @@
 already imported, that becomes the replacement when a rank fails.
 
 Under ``fabriclite run --fault-tolerant`` a restarted rank's time to its first step is nearly all imports (torch,
-and torch._dynamo for torchft's DDP wrapper): about 2 s of the 2.0 s measured by hand. The supervisor keeps one
-spare per local rank; when a new round starts, each rank is a spare that receives its environment and argv
-(one JSON line on its stdin) and runs the script with ``runpy``, as ``python script.py args`` would (``__main__``,
+and torch._dynamo for torchft's DDP wrapper): about 2 s of the 2.0 s measured by hand. With ``--max-restarts`` the
+supervisor keeps one spare per local rank (``FABRICLITE_WARM_SPARES=0``: none); when a new round starts, each rank
+is a spare that receives its environment and argv (one JSON line on its stdin) and runs the script with ``runpy``, as ``python script.py args`` would (``__main__``,
 ``sys.argv``, the script's folder first on ``sys.path``). A fresh spare is started for the next failure. A spare
 dies with its supervisor, and an unused one ends when its stdin closes.
 """
@@ -21,6 +21,8 @@ from fabriclite.supervision.stopping import kill_group, reap
 
 #: what a spare imports while it waits (``fabriclite run --fault-tolerant``'s rank)
 LIVE_PRELOAD = ("torch", "fabriclite.fabric", "fabriclite.strategies.torchft_parts")
+#: ``FABRICLITE_WARM_SPARES=0`` turns spares off (each is an idle interpreter holding torch and torchft)
+SPARES_ENV = "FABRICLITE_WARM_SPARES"
 _CODE = r"""
 import json, os, runpy, sys
 for name in sys.argv[1:]:
@@ -77,6 +79,15 @@ class Spares:
     def __init__(self, command: Sequence[str], output: OutputOptions, preload: Sequence[str] = LIVE_PRELOAD) -> None:
         self.command, self.output, self.preload = list(command), output, tuple(preload)
         self._waiting: Dict[int, SpareWorker] = {}
+
+    @classmethod
+    def for_job(cls, command: Sequence[str], output: OutputOptions, max_restarts: int) -> Optional["Spares"]:
+        """Spares for a job that may restart (``max_restarts`` > 0) and runs ``python SCRIPT ARGS`` (not ``-m`` /
+        ``-c`` / interpreter flags); None otherwise, or with ``$FABRICLITE_WARM_SPARES=0``."""
+        runs_a_file = len(command) >= 2 and not command[1].startswith("-") and os.path.isfile(command[1])
+        if not max_restarts or not runs_a_file or os.environ.get(SPARES_ENV, "1") == "0":
+            return None
+        return cls(command, output)
 
     def start(self, local_rank: int, env: Dict[str, str], global_rank: int, restart: bool) -> Optional[SpareWorker]:
         """The rank as a spare that was waiting (a restart, with one ready), else None (start it the usual way);
