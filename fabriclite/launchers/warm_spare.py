@@ -36,7 +36,6 @@ sys.argv = job["argv"]
 sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
 sys.stdin.close()
 sys.stdin = open(os.devnull)
-del json, line, job, name
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from fabriclite.distributed import rendezvous
 from fabriclite.distributed.network import local_address_towards
@@ -103,7 +104,8 @@ class Lighthouse:
         if rendezvous.port_in_use(host, port):
             raise LighthouseError(f"fabriclite: cannot start the lighthouse: port {port} on {host} is already in "
                                   f"use. Pick a free --main-port, or pass --lighthouse HOST:PORT to use a running one.")
-        command = [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"),
+        beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")  # torchft's console script
+        command = [beside if os.path.exists(beside) else (shutil.which("torchft_lighthouse") or beside),
                    "--bind", f"[::]:{port}", "--min_replicas", str(min_replicas),
                    "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--quorum_tick_ms", str(QUORUM_TICK_MS),
                    "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
@@ -138,7 +140,7 @@ class Lighthouse:
             return None
         return live_groups(page, HEARTBEAT_TIMEOUT_MS / 1000)
 
-    def linger(self, stop_waiting: "callable") -> None:  # type: ignore[valid-type]
+    def linger(self, stop_waiting: Callable[[], bool]) -> None:
         """Keep the lighthouse up until no group has heartbeated for LINGER_S (every other group finished or
         gave up), or ``stop_waiting()`` (a signal to this supervisor)."""
         quiet_since = time.monotonic()
@@ -176,7 +178,7 @@ def live_groups(page: str, heartbeat_timeout_s: float) -> List[str]:
     return alive
 
 
-def wait_reachable(host: str, port: int, timeout: timedelta, alive: "callable" = lambda: True) -> None:  # type: ignore[valid-type]
+def wait_reachable(host: str, port: int, timeout: timedelta, alive: Callable[[], bool] = lambda: True) -> None:
     """Return once something accepts connections at ``host:port``; LighthouseError naming the address after
     ``timeout`` (or as soon as ``alive()`` is false)."""
     try:

@@ -213,8 +213,7 @@ class Supervisor:
             self.output.close()
             code, line = self.preemption.finish(code, self.layout.node_rank)
             self.summary = "\n".join(s for s in (self.summary, line) if s)
-            if self.report:
-                print_summary(self.summary)
+            self._report(self.summary)
             if self._lighthouse is not None:  # the other groups may still train: keep it up for them
                 self._lighthouse.linger(lambda: self._signal is not None)
             self._leave(failed=code != 0)
@@ -263,7 +262,9 @@ class Supervisor:
         return code
 
     def _report(self, text: str) -> None:
-        if self.report:
+        if self.report and text:
+            if self.live is not None:  # its ranks are numbered inside the group: say which node's group this is
+                text = f"fabriclite: replica group {self.live.group} of {self.live.groups} (--fault-tolerant):\n{text}"
             print_summary(text)
 
     def _watch(self) -> int:
