@@ -30,7 +30,7 @@ from fabriclite.training.callbacks import as_callback_list, call_hook
 from fabriclite.training.dataloaders import gather_eval as _gather_eval
 from fabriclite.training.dataloaders import setup_dataloader as _setup_dataloader
 from fabriclite.training.seeding import seed_everything as _seed_everything
-from fabriclite.training.wrapping import FabricDataLoader, FabricModule, FabricOptimizer
+from fabriclite.training.wrapping import FabricModule, FabricOptimizer
 
 
 class Fabric:

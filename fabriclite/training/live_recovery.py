@@ -14,6 +14,7 @@ import os
 from typing import Any, Callable, Dict, Optional, Union
 
 from fabriclite.checkpoint import manifest
+from fabriclite.checkpoint.resume_state import set_strict
 from fabriclite.checkpoint.saving import restore_into, to_saveable
 from fabriclite.strategies.fault_tolerant import FaultTolerantStrategy
 from fabriclite.training.wrapping import FabricDataLoader, FabricModule, FabricOptimizer, unwrap
@@ -44,6 +45,7 @@ def restore_state(strategy: Any, state: Dict[str, Any], checkpoint: Dict[str, An
     """Restore the script's ``state`` (wrappers and all) in place from ``checkpoint``, as ``fabric.load`` does:
     objects load their state dicts, plain values (the step counter) are replaced in ``state``."""
     unwrapped = unwrap(state, loaders=False)
+    set_strict(unwrapped, strict)
     restore_into(strategy, unwrapped, dict(checkpoint), strict, "the live peer's state")
     keep_values(state, unwrapped)
 
