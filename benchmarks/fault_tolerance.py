@@ -3,7 +3,9 @@
 Live recovery (`fabriclite run --fault-tolerant`, torchft 0.2.0), 3 local nodes x 1 CPU rank, the ft lane's script
 (tests/integration/backends/lane_ft/ft_train.py: a small MLP, one line per step):
 
-- steps/s with --fault-tolerant and no fault against plain `ddp` on the same 3 x 1 layout (same script);
+- steps/s with --fault-tolerant and no fault against plain `ddp` on the same 3 x 1 layout (same script), for the
+  tiny MLP the tests use (a step of a few ms: the quorum's fixed cost shows) and a larger one (FT_WIDTH=1024,
+  FT_BATCH=512: a step of tens of ms, under which the asynchronous quorum hides);
 - a node SIGKILLed at a step: the healthy nodes' longest gap between committed steps, the failed node's time from
   its new process's start to its first committed step after healing, and from the kill to that step;
 - the stop-the-world path on the same job (plain ddp, `--max-restarts 1`): the kill to the new round's first step.
@@ -61,6 +63,9 @@ if fabric.global_rank == 0:
     print(f"COSTS check_preempted={check:.0f}us barrier={barrier:.0f}us resume_state={resume:.0f}us", flush=True)
 """
 STEPS = 300
+#: the larger MLP (16 -> 1024 -> 1024 -> 1, batch 512)
+BIG = {"FT_WIDTH": "1024", "FT_BATCH": "512"}
+BIG_STEPS = 100
 KILL_STEP = 60
 
 
@@ -85,8 +90,9 @@ def restart_2ranks() -> float:
         return resumed - killed
 
 
-def job(out: Path, fault_tolerant: bool, env: Dict[str, str], args: List[str] = ()) -> List[StepLog]:
-    nodes = wait_nodes(start_nodes(out, STEPS, args=list(args), env={"OMP_NUM_THREADS": "1", "FT_PACE": "0", **env},
+def job(out: Path, fault_tolerant: bool, env: Dict[str, str], args: List[str] = (), steps: int = STEPS
+        ) -> List[StepLog]:
+    nodes = wait_nodes(start_nodes(out, steps, args=list(args), env={"OMP_NUM_THREADS": "1", "FT_PACE": "0", **env},
                                    fault_tolerant=fault_tolerant), 900)
     for node in nodes:
         assert node.code == 0, f"node {node.rank} exited {node.code}:\n{node.output[-3000:]}"
@@ -133,11 +139,14 @@ def main() -> None:
 
     started, load_before = datetime.datetime.now(datetime.timezone.utc), loadavg()
     ft_rate, ddp_rate, gaps, heal, kill_to_step, stw, restart2 = [], [], [], [], [], [], []
+    big_ft, big_ddp = [], []
     kill = {"FT_KILL_GROUP": "2", "FT_KILL_STEP": str(KILL_STEP), "FABRICLITE_RESTART_BACKOFF": "0.05"}
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
             ddp_rate.append(steps_per_s(job(Path(tmp) / "ddp", False, {})[0]))
             ft_rate.append(steps_per_s(job(Path(tmp) / "ft", True, {})[0]))
+            big_ddp.append(steps_per_s(job(Path(tmp) / "bigddp", False, BIG, steps=BIG_STEPS)[0]))
+            big_ft.append(steps_per_s(job(Path(tmp) / "bigft", True, BIG, steps=BIG_STEPS)[0]))
             gap, to_step, from_kill = fault_figures(job(Path(tmp) / "ftkill", True, kill, ["--max-restarts", "1"]), 2)
             gaps.append(gap), heal.append(to_step), kill_to_step.append(from_kill)
             stw.append(stop_the_world(job(Path(tmp) / "ddpkill", False, {**kill, "FT_WAIT_BACK": ""},
@@ -151,9 +160,13 @@ def main() -> None:
         costs = next(line for line in done.stdout.splitlines() if line.startswith("COSTS"))
     med = statistics.median
     rows = [
-        ("steps/s, 3 nodes x 1 rank, no fault: `--fault-tolerant` / plain `ddp`",
+        ("steps/s, 3 nodes x 1 rank, no fault, tiny MLP (16-32-32-1, batch 32): `--fault-tolerant` / plain `ddp`",
          f"{med(ft_rate):.1f} / {med(ddp_rate):.1f} = **{med(ft_rate) / med(ddp_rate):.2f}x**"),
-        ("per-step cost of the quorum and commit (1/ft - 1/ddp)", f"{(1 / med(ft_rate) - 1 / med(ddp_rate)) * 1e3:.1f} ms"),
+        ("... per-step cost of the quorum and commit there (1/ft - 1/ddp)",
+         f"{(1 / med(ft_rate) - 1 / med(ddp_rate)) * 1e3:.1f} ms"),
+        ("steps/s, same layout, larger MLP (16-1024-1024-1, batch 512): `--fault-tolerant` / plain `ddp`",
+         f"{med(big_ft):.2f} / {med(big_ddp):.2f} = **{med(big_ft) / med(big_ddp):.2f}x**"),
+        ("... per-step cost there (1/ft - 1/ddp)", f"{(1 / med(big_ft) - 1 / med(big_ddp)) * 1e3:.1f} ms"),
         (f"node 2 SIGKILLed at step {KILL_STEP}: healthy nodes' longest gap between committed steps",
          f"{med(gaps):.2f} s"),
         ("... the failed node's new process start -> its first committed step (healed from a peer)",
@@ -172,7 +185,7 @@ def main() -> None:
              "`$(bash scripts/backend_env.sh ft --path)/bin/python`)",
              f"- date: {started:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}, torchft 0.2.0",
              f"- machine: {os.cpu_count()} CPUs; load average before {load_before}, after {load_after}",
-             f"- {args.repeats} repeat(s) of each job, medians; {STEPS} steps per job", "",
+             f"- {args.repeats} repeat(s) of each job, medians; {STEPS} steps per job ({BIG_STEPS} with the larger MLP)", "",
              "| What | Measured |", "|---|---|", *[f"| {a} | {b} |" for a, b in rows], ""]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(lines))

@@ -48,7 +48,8 @@ def all_back() -> bool:
 fabric = Fabric()
 group = int(os.environ.get("FABRICLITE_FT_GROUP", fabric.global_rank))  # plain ddp (the benchmark's baseline): the rank
 torch.manual_seed(1234 + group)  # different initial weights per group: init_sync must make them equal
-model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+width, batch = int(os.environ.get("FT_WIDTH", "32")), int(os.environ.get("FT_BATCH", "32"))  # the benchmark's sizes
+model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 model, optimizer = fabric.setup(model, optimizer)
 state = {"model": model, "optimizer": optimizer, "step": 0}
@@ -70,7 +71,7 @@ done = 0
 while not (state["step"] >= steps and done > 0 and all_back()):
     optimizer.zero_grad()
     gen = torch.Generator().manual_seed(100_000 * group + state["step"])
-    x = torch.randn(32, 16, generator=gen)
+    x = torch.randn(batch, 16, generator=gen)
     loss = ((model(x) - x.sum(1, keepdim=True).tanh()) ** 2).mean()
     die("allreduce")
     fabric.backward(loss)
