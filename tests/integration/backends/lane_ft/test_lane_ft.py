@@ -9,6 +9,9 @@ paced steps takes 25-45 s; the healthy groups' longest gap between committed ste
 supervisor's 3 s wait (the whole command took 13.8-55 s under load, bounded at 170 s)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -16,7 +19,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from ft_harness import StepLog, final_weights, start_nodes, wait_nodes
+from ft_harness import StepLog, final_weights, free_port, start_nodes, wait_nodes
 
 STEPS = 80
 #: a run's bound: measured 25-104 s under load (node 0 exits last: it keeps the lighthouse up 3 s more); ~3x margin
@@ -146,3 +149,20 @@ def test_refused_combinations_start_nothing(tmp_path: Path, args: List[str], exp
     assert nodes[0].code == 2, nodes[0].output
     assert lines[-1].startswith("fabriclite run: error: ") and expected in lines[-1], nodes[0].output
     assert not (tmp_path / "steps-0.txt").exists()
+
+
+@pytest.mark.slow
+def test_an_external_lighthouse_started_with_torchfts_command(tmp_path: Path) -> None:
+    port = free_port()
+    command = [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"), "--bind", f"[::]:{port}",
+               "--min_replicas", "1", "--join_timeout_ms", "300", "--heartbeat_timeout_ms", "1000"]
+    lighthouse = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        nodes = wait_nodes(start_nodes(tmp_path, 30, nodes=2, args=["--lighthouse", f"127.0.0.1:{port}"],
+                                       env={"FT_PACE": "0.02"}), RUN_TIMEOUT_S)
+        assert_all_ok(nodes)
+        assert_same_end(tmp_path, groups=(0, 1), steps=30)
+        assert lighthouse.poll() is None  # node 0 neither started its own nor stopped this one
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
