@@ -77,12 +77,14 @@ def wait_nodes(nodes: List[Node], timeout: float) -> List[Node]:
 @dataclass
 class StepLog:
     """One group's ``steps-<group>.txt``: ``starts`` (round, step after load_latest, time, source), ``processes``
-    (round, the process's start time) and ``rows`` (step after the iteration, time, committed)."""
+    (round, the process's start time), ``saves`` (step, time) and ``rows`` (step after the iteration, time,
+    committed)."""
 
     starts: List[tuple] = field(default_factory=list)
     rows: List[tuple] = field(default_factory=list)
     end: Optional[tuple] = None
     processes: List[tuple] = field(default_factory=list)
+    saves: List[tuple] = field(default_factory=list)
 
     @classmethod
     def read(cls, out: Path, group: int) -> "StepLog":
@@ -91,6 +93,8 @@ class StepLog:
             parts = line.split(maxsplit=4)
             if parts[0] == "start":
                 log.starts.append((int(parts[1]), int(parts[2]), float(parts[3]), parts[4]))
+            elif parts[0] == "saved":
+                log.saves.append((int(parts[1]), float(parts[2])))
             elif parts[0] == "process":
                 log.processes.append((int(parts[1]), float(parts[2])))
             elif parts[0] == "end":

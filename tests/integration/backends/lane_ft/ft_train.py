@@ -1,14 +1,17 @@
 """The script the ft lane runs under ``fabriclite run --fault-tolerant``: a plain Fabric training loop (no torchft
-import) that keeps its step in the state dict it passes to ``load_latest``, never saves a checkpoint (a healed
-state can only come from a live peer), and appends one line per loop iteration to ``OUT/steps-<group>.txt``:
+import) that keeps its step in the state dict it passes to ``load_latest``, saves no checkpoint unless
+``FT_SAVE_EVERY`` is set (a healed state can then only come from a live peer; with it, each group saves to its own
+``OUT/checkpoints-<group>`` every N committed steps, keep=2), and appends one line per loop iteration to ``OUT/steps-<group>.txt``:
 
     start <restart round> <step after load_latest> <time> <what load_latest returned>
     process <restart round> <the process's start time>
+    saved <step> <time when fabric.save returned>
     <step after this iteration> <time> <1 if the step committed else 0>
 
-A group stops once it has reached ``STEPS``, made a step since it started and every group named in
-``FT_WAIT_BACK`` (default: the killed ones) has come back (a ``start`` line of round >= 1 in its log): the healthy
-groups keep training while a killed one restarts, however slow the restart, and all end at the same step. At the
+A group stops once it has reached ``STEPS``, made a step since it started, every group has started (a ``start``
+line in its log) and every group named in ``FT_WAIT_BACK`` (default: the killed ones) has come back (a ``start``
+line of round >= 1): the healthy groups keep training while a late or killed one starts, however slow that is on
+a loaded machine, and all end at the same step. At the
 end it writes its weights to ``OUT/final-<group>.pt``. ``FT_KILL_GROUP`` / ``FT_KILL_STEP`` /
 ``FT_KILL_WHERE`` (``between``: after a committed step; ``allreduce``: after the forward, while the others wait
 in the gradient all-reduce) SIGKILL that group's rank at the first step >= FT_KILL_STEP of its first incarnation
@@ -36,13 +39,17 @@ kill_rounds = int(os.environ.get("FT_KILL_ROUNDS", "1"))
 wait_back = [int(g) for g in os.environ.get("FT_WAIT_BACK", os.environ.get("FT_KILL_GROUP", "")).split(",") if g]
 
 
+def started(g: int, min_round: int) -> bool:
+    path = os.path.join(out, f"steps-{g}.txt")
+    lines = open(path).read().splitlines() if os.path.exists(path) else []
+    return any(line.startswith("start ") and int(line.split()[1]) >= min_round for line in lines)
+
+
 def all_back() -> bool:
-    for g in wait_back:
-        path = os.path.join(out, f"steps-{g}.txt")
-        lines = open(path).read().splitlines() if os.path.exists(path) else []
-        if not any(line.startswith("start ") and int(line.split()[1]) >= 1 for line in lines):
-            return False
-    return True
+    """Every group has started in this launch (a group starting after the others ended would train alone) and
+    every group of FT_WAIT_BACK has come back."""
+    groups = int(os.environ.get("FABRICLITE_FT_GROUPS", "1"))
+    return all(started(g, 0) for g in range(groups)) and all(started(g, 1) for g in wait_back)
 
 
 fabric = Fabric()
@@ -54,7 +61,9 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 model, optimizer = fabric.setup(model, optimizer)
 state = {"model": model, "optimizer": optimizer, "step": 0}
 log = open(os.path.join(out, f"steps-{group}.txt"), "a", buffering=1)
-source = fabric.load_latest(os.path.join(out, "checkpoints"), state)
+save_every = int(os.environ.get("FT_SAVE_EVERY", "0"))  # 0: never save (a healed state then comes from a peer)
+checkpoints = os.path.join(out, f"checkpoints-{group}")  # each group its own directory
+source = fabric.load_latest(checkpoints, state)
 log.write(f"start {fabric.restart_count} {state['step']} {time.time():.4f} {source}\n")
 log.write(f"process {fabric.restart_count} {STARTED:.4f}\n")
 dies = group in kill_groups and fabric.restart_count < kill_rounds
@@ -79,6 +88,9 @@ while not (state["step"] >= steps and done > 0 and all_back()):
     if committed:
         state["step"] += 1
         done += 1
+        if save_every and state["step"] % save_every == 0:
+            fabric.save(os.path.join(checkpoints, f"step-{state['step']:04d}.ckpt"), state, keep=2)
+            log.write(f"saved {state['step']} {time.time():.4f}\n")
     log.write(f"{state['step']} {time.time():.4f} {int(bool(committed))}\n")
     die("between")
     time.sleep(pace)

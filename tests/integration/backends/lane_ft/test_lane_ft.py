@@ -166,3 +166,26 @@ def test_an_external_lighthouse_started_with_torchfts_command(tmp_path: Path) ->
     finally:
         lighthouse.kill()
         lighthouse.wait()
+
+
+@pytest.mark.slow
+def test_saves_never_wait_for_a_dead_group_and_a_relaunch_reads_the_disk(tmp_path: Path) -> None:
+    env = {"FT_SAVE_EVERY": "1", "FT_KILL_GROUP": "2", "FT_KILL_STEP": "25"}  # every step: any commit is saved
+    assert_all_ok(run_job(tmp_path, env, ["--max-restarts", "1"], steps=60))
+    dead = StepLog.read(tmp_path, 2)
+    back = next(t for r, t in dead.processes if r >= 1)
+    died = max(t for _, t, _ in dead.rows if t < back)
+    # group 0 completed a save while group 2 was down (it commits in that window: assert_recovered's check)
+    saves = StepLog.read(tmp_path, 0).saves
+    assert any(died < t < back for _, t in saves), (died, back, saves)
+    first = {g: StepLog.read(tmp_path, g).end[0] for g in (0, 1, 2)}
+    # every group is gone: in the next launch the first group to start has no live peer ahead and reads its newest
+    # checkpoint from disk; a group starting after it has committed a step heals from it instead
+    for log in tmp_path.glob("steps-*.txt"):
+        log.rename(log.with_suffix(".first"))
+    assert_all_ok(run_job(tmp_path, {"FT_SAVE_EVERY": "1"}, steps=first[0] + 20))
+    starts = {g: StepLog.read(tmp_path, g).starts[0] for g in (0, 1, 2)}
+    from_disk = [g for g, s in starts.items() if s[3].endswith(f"checkpoints-{g}/step-{first[g]:04d}.ckpt")]
+    assert from_disk, starts
+    assert all(s[1] >= first[0] and (g in from_disk or s[3] == "<live peer>") for g, s in starts.items()), starts
+    assert_same_end(tmp_path, steps=first[0] + 20)
