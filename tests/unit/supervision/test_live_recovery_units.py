@@ -91,3 +91,13 @@ def test_fabric_strategy_fault_tolerant_without_torchft_names_the_extra(no_launc
 def test_live_flags_without_fault_tolerant_are_refused(capsys, flag):
     code, line = run_cli(capsys, *flag)
     assert code == 2 and line == f"fabriclite run: error: {flag[0]} needs --fault-tolerant."
+
+
+@given(groups=st.integers(1, 16), data=st.data())
+def test_data_is_sharded_by_replica_group(groups, data):
+    from fabriclite.strategies.fault_tolerant import FaultTolerantStrategy
+
+    group = data.draw(st.integers(0, groups - 1))
+    strategy = FaultTolerantStrategy()
+    strategy.options = LiveOptions("127.0.0.1:1", group, groups)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": groups, "rank": group}  # one rank per group
