@@ -1,27 +1,41 @@
-"""Fault tolerance costs, on 2 CPU ranks under `fabriclite run`:
+"""Fault tolerance costs, every figure measured in the same run, written to benchmarks/results/fault_tolerance.md.
 
-- restart: the wall time from a rank SIGKILLing itself mid-epoch (tests/support/restart_script.py, --max-restarts 1, the
-  default 1 s backoff) to the new round's ranks having loaded the latest checkpoint (training resumed);
-- check_preempted(): the median time of one call (one all_reduce of one number), against a barrier;
-- resume_state(): the median time of its state_dict() per save (gathering every rank's RNG states).
+Live recovery (`fabriclite run --fault-tolerant`, torchft 0.2.0), 3 local nodes x 1 CPU rank, the ft lane's script
+(tests/integration/backends/lane_ft/ft_train.py: a small MLP, one line per step):
 
-    python benchmarks/fault_tolerance.py [--repeats 3]
+- steps/s with --fault-tolerant and no fault against plain `ddp` on the same 3 x 1 layout (same script), for the
+  tiny MLP the tests use (a step of a few ms: the quorum's fixed cost shows) and a larger one (FT_WIDTH=1024,
+  FT_BATCH=512: a step of tens of ms, under which the asynchronous quorum hides);
+- a node SIGKILLed at a step: the healthy nodes' longest gap between committed steps, the failed node's time from
+  its new process's start to its first committed step after healing, and from the kill to that step;
+- the stop-the-world path on the same job (plain ddp, `--max-restarts 1`): the kill to the new round's first step.
 
-writes benchmarks/results/fault_tolerance.md (``--results PATH`` elsewhere).
+Stop-the-world restarts, 2 CPU ranks (tests/support/restart_script.py, --max-restarts 1, 1 s backoff): a rank
+SIGKILLed mid-epoch to the new round's ranks having loaded the latest checkpoint; check_preempted() and
+resume_state() costs.
+
+    $(bash scripts/backend_env.sh ft --path)/bin/python benchmarks/fault_tolerance.py [--repeats 1]
+
+(run it with the ft lane's interpreter: the live-recovery parts need torchft)
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from pathlib import Path
+from typing import Dict, List, Tuple
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
 from common import Results  # noqa: E402
+from ft_harness import StepLog, start_nodes, wait_nodes  # noqa: E402
 COSTS = r"""
 import statistics, time
 from fabriclite import Fabric
@@ -46,42 +60,122 @@ resume = timed(state.state_dict, 100)
 if fabric.global_rank == 0:
     print(f"COSTS check_preempted={check:.0f}us barrier={barrier:.0f}us resume_state={resume:.0f}us", flush=True)
 """
+STEPS = 300
+#: the larger MLP (16 -> 1024 -> 1024 -> 1, batch 512)
+BIG = {"FT_WIDTH": "1024", "FT_BATCH": "512"}
+BIG_STEPS = 100
+KILL_STEP = 60
 
 
-def run(args, env=None):
-    full = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+def run_2ranks(args: List[str], env: Dict[str, str]) -> subprocess.CompletedProcess:
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env}
     return subprocess.run([sys.executable, "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2",
                            *args], env=full, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
-def restart_time() -> float:
+def restart_2ranks() -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        done = run(["--max-restarts", "1", os.path.join(ROOT, "tests", "support", "restart_script.py")],
-                   {"CKPT_DIR": os.path.join(tmp, "ckpt"), "OUT": os.path.join(tmp, "w.pt"), "KILL_AT": "13:1"})
-        assert done.returncode == 0, done.stderr
+        done = run_2ranks(["--max-restarts", "1", str(ROOT / "tests" / "support" / "restart_script.py")],
+                          {"CKPT_DIR": os.path.join(tmp, "ckpt"), "OUT": os.path.join(tmp, "w.pt"), "KILL_AT": "13:1"})
+        assert done.returncode == 0, done.stderr[-3000:]
         killed = float(re.search(r"KILLED t=([\d.]+)", done.stdout).group(1))
         resumed = float(re.search(r"ROUND 1 resumed .* t=([\d.]+)", done.stdout).group(1))
         return resumed - killed
 
 
+def job(out: Path, fault_tolerant: bool, env: Dict[str, str], args: List[str] = (), steps: int = STEPS
+        ) -> List[StepLog]:
+    nodes = wait_nodes(start_nodes(out, steps, args=list(args), env={"OMP_NUM_THREADS": "1", "FT_PACE": "0", **env},
+                                   fault_tolerant=fault_tolerant), 900)
+    for node in nodes:
+        assert node.code == 0, f"node {node.rank} exited {node.code}:\n{node.output[-3000:]}"
+    return [StepLog.read(out, g) for g in range(len(nodes))]
+
+
+def steps_per_s(log: StepLog, skip: int = 20) -> float:
+    """Committed steps per second on one node, after ``skip`` warm-up steps (the first quorums, heals at step 0)."""
+    times = log.committed_times()[skip:]
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def fault_figures(logs: List[StepLog], killed: int) -> Tuple[float, float, float]:
+    """(longest gap between committed steps on the healthy nodes, the failed node's new process start -> first
+    committed step, kill -> that step)."""
+    dead = logs[killed]
+    process = next(t for r, t in dead.processes if r >= 1)
+    died = max(t for _, t, _ in dead.rows if t < process)
+    first = next(t for _, t, ok in dead.rows if ok and t > process)
+    gap = max(log.longest_gap() for g, log in enumerate(logs) if g != killed)
+    return gap, first - process, first - died
+
+
+def stop_the_world(logs: List[StepLog], killed: int) -> float:
+    """Plain ddp, --max-restarts 1: the kill -> the new round's first step (on node 0)."""
+    dead = logs[killed]
+    restart = next(t for r, t in dead.processes if r >= 1)
+    died = max(t for _, t, _ in dead.rows if t < restart)
+    witness = logs[0]
+    round1 = next(t for r, t in witness.processes if r >= 1)
+    return next(t for _, t, _ in witness.rows if t > round1) - died
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--results", default=None, help="the results file (benchmarks/results/fault_tolerance.md)")
+    parser.add_argument("--repeats", type=int, default=1, help="repeats of each job (medians are reported)")
     args = parser.parse_args()
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise SystemExit("run this with the ft lane's interpreter: $(bash scripts/backend_env.sh ft --path)/bin/python "
+                         "benchmarks/fault_tolerance.py") from None
     results = Results("fault_tolerance")
-    times = sorted(restart_time() for _ in range(args.repeats))
-    lines = [f"failure to training resumed (2 ranks, 1 s backoff): median {times[len(times) // 2]:.1f} s, "
-             f"all {[round(t, 1) for t in times]}"]
+    ft_rate, ddp_rate, gaps, heal, kill_to_step, stw, restart2 = [], [], [], [], [], [], []
+    big_ft, big_ddp = [], []
+    kill = {"FT_KILL_GROUP": "2", "FT_KILL_STEP": str(KILL_STEP), "FABRICLITE_RESTART_BACKOFF": "0.05"}
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            ddp_rate.append(steps_per_s(job(Path(tmp) / "ddp", False, {})[0]))
+            ft_rate.append(steps_per_s(job(Path(tmp) / "ft", True, {})[0]))
+            big_ddp.append(steps_per_s(job(Path(tmp) / "bigddp", False, BIG, steps=BIG_STEPS)[0]))
+            big_ft.append(steps_per_s(job(Path(tmp) / "bigft", True, BIG, steps=BIG_STEPS)[0]))
+            gap, to_step, from_kill = fault_figures(job(Path(tmp) / "ftkill", True, kill, ["--max-restarts", "1"]), 2)
+            gaps.append(gap), heal.append(to_step), kill_to_step.append(from_kill)
+            stw.append(stop_the_world(job(Path(tmp) / "ddpkill", False, {**kill, "FT_WAIT_BACK": ""},
+                                          ["--max-restarts", "1"]), 2))
+        restart2.append(restart_2ranks())
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "costs.py")
         with open(script, "w") as f:
             f.write(COSTS)
-        done = run([script])
-        lines.append(next(line for line in done.stdout.splitlines() if line.startswith("COSTS")))
-    print("\n".join(lines))
-    results.write("\n\n".join(lines))
-
+        done = run_2ranks([script], {})
+        costs = next(line for line in done.stdout.splitlines() if line.startswith("COSTS"))
+    med = statistics.median
+    rows = [
+        ("steps/s, 3 nodes x 1 rank, no fault, tiny MLP (16-32-32-1, batch 32): `--fault-tolerant` / plain `ddp`",
+         f"{med(ft_rate):.1f} / {med(ddp_rate):.1f} = **{med(ft_rate) / med(ddp_rate):.2f}x**"),
+        ("... per-step cost of the quorum and commit there (1/ft - 1/ddp)",
+         f"{(1 / med(ft_rate) - 1 / med(ddp_rate)) * 1e3:.1f} ms"),
+        ("steps/s, same layout, larger MLP (16-1024-1024-1, batch 512): `--fault-tolerant` / plain `ddp`",
+         f"{med(big_ft):.2f} / {med(big_ddp):.2f} = **{med(big_ft) / med(big_ddp):.2f}x**"),
+        ("... per-step cost there (1/ft - 1/ddp)", f"{(1 / med(big_ft) - 1 / med(big_ddp)) * 1e3:.1f} ms"),
+        (f"node 2 SIGKILLed at step {KILL_STEP}: healthy nodes' longest gap between committed steps",
+         f"{med(gaps):.2f} s"),
+        ("... the failed node's new process start -> its first committed step (healed from a peer)",
+         f"{med(heal):.2f} s"),
+        ("... the kill -> the failed node's first committed step (detection, 0.05 s backoff, restart, heal)",
+         f"{med(kill_to_step):.2f} s"),
+        ("stop-the-world on the same 3 x 1 job (plain ddp, `--max-restarts 1`, 0.05 s backoff): the kill -> the "
+         "new round's first step", f"{med(stw):.2f} s"),
+        ("stop-the-world, 2 ranks, 1 s backoff: a rank SIGKILLed -> the new round has loaded the latest checkpoint",
+         f"{med(restart2):.1f} s"),
+        ("`check_preempted()` / `barrier()` / `resume_state()` per call, 2 ranks", costs.split(" ", 1)[1]),
+    ]
+    body = "\n".join(["| What | Measured |", "|---|---|", *[f"| {a} | {b} |" for a, b in rows]])
+    results.write(body, extra=[("interpreter", "the ft lane's: `$(bash scripts/backend_env.sh ft --path)/bin/python`"),
+                               ("torchft", "0.2.0"),
+                               ("jobs", f"{args.repeats} repeat(s) of each job, medians; {STEPS} steps per job "
+                                        f"({BIG_STEPS} with the larger MLP)")])
+    print(body)
 
 if __name__ == "__main__":
     main()

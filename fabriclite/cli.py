@@ -52,6 +52,14 @@ def _parser() -> argparse.ArgumentParser:
                           "(default $FABRICLITE_PREEMPT_GRACE or 20)")
     run.add_argument("--no-requeue", "--no_requeue", action="store_true",
                      help="under SLURM, do not run `scontrol requeue` after SIGUSR1 (or $FABRICLITE_REQUEUE=0)")
+    run.add_argument("--fault-tolerant", "--fault_tolerant", action="store_true",
+                     help="live recovery on torchft: each node is a replica group; a failed node is restarted "
+                          "(--max-restarts) and heals from a live peer while the others keep training")
+    run.add_argument("--min-replicas", "--min_replicas", type=int, default=None,
+                     help="with --fault-tolerant: replica groups needed to commit a step (default 1)")
+    run.add_argument("--lighthouse", default=None,
+                     help="with --fault-tolerant: HOST:PORT of a running torchft lighthouse (default: node 0's "
+                          "supervisor starts one at --main-address:--main-port)")
     run.add_argument("script", help="the Python script to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     merge = sub.add_parser("consolidate", help="write a sharded checkpoint folder as one file torch.load reads")
@@ -107,6 +115,11 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
                          f"expected 0..{num_nodes - 1}.")
     if not os.path.isfile(args.script):
         raise UsageError(f"script {args.script!r} not found; pass the path of a Python script.")
+    if not args.fault_tolerant and (args.min_replicas is not None or args.lighthouse is not None):
+        raise UsageError(f"--{'min-replicas' if args.min_replicas is not None else 'lighthouse'} needs "
+                         "--fault-tolerant.")
+    if args.fault_tolerant:
+        return _prepare_live(args, num_nodes, node_rank)
     # validate every flag the way Fabric(...) would, before starting anything
     connector = Connector(accelerator=args.accelerator or "auto", strategy=args.strategy or "auto",
                           devices=args.devices or "auto", num_nodes=num_nodes, precision=args.precision)
@@ -122,16 +135,68 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
     main_address = args.main_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     main_port = args.main_port if args.main_port is not None else _env_int("MASTER_PORT")
     layout = NodeLayout(num_nodes, node_rank, connector.num_processes)
+    output, preempt = _output_and_preempt(args)
+    command = [sys.executable, args.script, *args.script_args]
+    return (command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env, restarts,
+            preempt)
+
+
+def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> Tuple[Any, ...]:
+    """``run_supervised``'s arguments under --fault-tolerant: this node alone (its own store on a free port at
+    its advertised address, its own restarts), plus where the lighthouse is. Checks every refused combination
+    first; starts nothing."""
+    import importlib.util
+
+    from fabriclite.connector import CLI_ENV, CLI_USED_ENV, Connector
+    from fabriclite.supervision.lighthouse import FT_EXTRA, LiveOptions, advertised_address, parse_address
+
+    if importlib.util.find_spec("torchft") is None:
+        raise UsageError(f"--fault-tolerant needs torchft, which is not installed: {FT_EXTRA}.")
+    if args.strategy not in (None, "auto", "ddp", "fault_tolerant"):
+        raise UsageError(f"--fault-tolerant with --strategy {args.strategy} is not supported: each node is one "
+                         "torchft replica group running DDP (torchft 0.2 has no sharded mode over gloo); drop "
+                         "--strategy or pass --strategy ddp.")
+    connector = Connector(accelerator=args.accelerator or "auto", strategy="ddp", devices=args.devices or 1,
+                          num_nodes=1, precision=args.precision)
+    if connector.num_processes != 1:
+        raise UsageError(f"--fault-tolerant with --devices {args.devices}: one rank per node only (torchft 0.2's "
+                         "DDP reduces across nodes, not inside one); pass --devices 1 and one node per rank.")
+    min_replicas = 1 if args.min_replicas is None else args.min_replicas
+    if not 1 <= min_replicas <= num_nodes:
+        raise UsageError(f"--min-replicas {min_replicas} is out of range for --num-nodes {num_nodes}; expected "
+                         f"1..{num_nodes}.")
+    main_address = args.main_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    main_port = args.main_port if args.main_port is not None else (_env_int("MASTER_PORT") or 29500)
+    if args.lighthouse is not None:
+        host, port = parse_address(args.lighthouse, "--lighthouse")
+    else:
+        host, port = main_address, main_port
+    address = advertised_address(host)
+    live = LiveOptions(f"{host}:{port}", node_rank, num_nodes, min_replicas, address,
+                       host_lighthouse=node_rank == 0 and args.lighthouse is None)
+    extra_env = {CLI_ENV["strategy"]: "fault_tolerant", CLI_ENV["devices"]: "1", CLI_USED_ENV: "1", **live.to_env(),
+                 "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's Rust side logs every quorum at info
+    for name, value in (("accelerator", args.accelerator), ("precision", args.precision)):
+        if value is not None:
+            extra_env[CLI_ENV[name]] = value
+    if args.timeout is not None:
+        extra_env["FABRICLITE_TIMEOUT"] = str(args.timeout)
+    output, preempt = _output_and_preempt(args)
+    command = [sys.executable, args.script, *args.script_args]
+    return (command, NodeLayout(1, 0, 1), address, 0, resolve_timeout(args.timeout), output, extra_env,
+            _restart_policy(args), preempt, live)
+
+
+def _output_and_preempt(args: argparse.Namespace) -> Tuple[OutputOptions, PreemptOptions]:
+    """--rank-prefix / --log-dir (else the environment's) and the preemption options of ``fabriclite run``."""
     output = OutputOptions(prefix=args.rank_prefix, log_dir=args.log_dir)
     if not (output.prefix or output.log_dir):
         output = OutputOptions.from_env()
-    command = [sys.executable, args.script, *args.script_args]
     preempt = PreemptOptions.from_env()
     if args.preempt_grace is not None:
         preempt.grace_s = parse_grace(args.preempt_grace, "--preempt-grace")
     preempt.requeue = preempt.requeue and not args.no_requeue
-    return (command, layout, main_address, main_port, resolve_timeout(args.timeout), output, extra_env, restarts,
-            preempt)
+    return output, preempt
 
 
 def _restart_policy(args: argparse.Namespace) -> RestartPolicy:

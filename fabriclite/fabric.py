@@ -26,12 +26,12 @@ from fabriclite.supervision import rank_signals
 from fabriclite.supervision.output_forwarding import line_buffer_stdio
 from fabriclite.supervision.rank_child import ERROR_FILE_ENV, record_errors
 from fabriclite.supervision.restarts import restart_count
-from fabriclite.training import wrapping
+from fabriclite.training import live_recovery, wrapping
 from fabriclite.training.callbacks import as_callback_list, call_hook
 from fabriclite.training.dataloaders import gather_eval as _gather_eval
 from fabriclite.training.dataloaders import setup_dataloader as _setup_dataloader
 from fabriclite.training.seeding import seed_everything as _seed_everything
-from fabriclite.training.wrapping import FabricDataLoader, FabricModule, FabricOptimizer
+from fabriclite.training.wrapping import FabricModule, FabricOptimizer
 
 
 class Fabric:
@@ -376,19 +376,16 @@ class Fabric:
         resume_state.set_strict(unwrapped, strict)
         remainder = load_checkpoint(self._strategy, path, unwrapped, strict=strict, weights_only=weights_only)
         if state is not None:
-            for key, value in unwrapped.items():
-                if not isinstance(state[key], (FabricModule, FabricOptimizer, FabricDataLoader)):
-                    state[key] = value
+            live_recovery.keep_values(state, unwrapped)
         return remainder
 
     def load_latest(self, directory: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
                     strict: bool = True, *, weights_only: Optional[bool] = None) -> Optional[str]:
-        """``load`` the newest checkpoint ``directory``'s manifest records: its path, or None (fabriclite.checkpoint.manifest)."""
+        """``load`` the newest checkpoint ``directory``'s manifest records: its path, or None (fabriclite.checkpoint.manifest).
+        Under ``fabriclite run --fault-tolerant`` a live peer's state comes first (fabriclite.training.live_recovery)."""
         self._check_launched("load_latest")
-        path = manifest.latest(self._strategy, directory)
-        if path is not None:
-            self.load(path, state, strict=strict, weights_only=weights_only)
-        return path
+        return live_recovery.load_latest(self._strategy, directory, state, strict,
+                                         lambda path: self.load(path, state, strict=strict, weights_only=weights_only))
 
     def check_preempted(self) -> bool:
         """Whether the job was told it will be stopped (SIGTERM / SIGUSR1 on any rank): a collective, one small

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Build (or check) the environment of one backend lane, cached outside the clone and keyed by versions.
 #
-#   scripts/backend_env.sh horovod|xla|mpi           build the environment if it is not cached yet
-#   scripts/backend_env.sh horovod|xla|mpi --check   exit 0 if it is ready, 1 if not (quick, no network)
-#   scripts/backend_env.sh horovod|xla|mpi --why     print why it is not ready (one line; empty when it is)
-#   scripts/backend_env.sh horovod|xla --path        print the environment's folder (whether built or not)
+#   scripts/backend_env.sh horovod|xla|mpi|ft           build the environment if it is not cached yet
+#   scripts/backend_env.sh horovod|xla|mpi|ft --check   exit 0 if it is ready, 1 if not (quick, no network)
+#   scripts/backend_env.sh horovod|xla|mpi|ft --why     print why it is not ready (one line; empty when it is)
+#   scripts/backend_env.sh horovod|xla|ft --path        print the environment's folder (whether built or not)
 #
 # Environments live under ${FABRICLITE_CACHE:-$HOME/.cache/fabriclite}/envs/<name>-<versions>; a venv is ready
 # once its .ready stamp exists, so an interrupted build is redone, never half-used. The horovod wheel (the slow
 # part, ~4 min) is cached under .../wheels/ so a rebuilt venv takes seconds. mpi is Debian's OpenMPI, used with
-# the main .venv (gloo does the collectives). Each venv also gets this checkout installed editable; the lane
+# the main .venv (gloo does the collectives). ft is torch 2.13.0 CPU + torchft 0.2.0 with its pinned
+# requirements (scripts/ft-requirements.txt). Each venv also gets this checkout installed editable; the lane
 # targets put the checkout first on PYTHONPATH anyway, so any clone runs its own code.
 set -euo pipefail
 
@@ -21,9 +22,11 @@ HVD_VERSION=0.28.1
 HVD_TORCH=2.13.0
 XLA_VERSION=2.9.0
 XLA_TORCH=2.9.1
+FT_VERSION=0.2.0
+FT_TORCH=2.13.0
 PYTAG=$("$PYTHON" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
 
-usage() { echo "usage: $0 {horovod|xla|mpi} [--check|--why|--path]" >&2; exit 2; }
+usage() { echo "usage: $0 {horovod|xla|mpi|ft} [--check|--why|--path]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 LANE=$1; MODE=${2:-build}
 
@@ -31,6 +34,8 @@ case $LANE in
   horovod) ENV="$CACHE/envs/horovod-$HVD_VERSION-torch$HVD_TORCH-$PYTAG" ;;
   xla)     ENV="$CACHE/envs/xla-$XLA_VERSION-torch$XLA_TORCH-$PYTAG" ;;
   mpi)     ENV="" ;;
+  # keyed by the pinned requirements too: a changed pin builds a new venv
+  ft)      ENV="$CACHE/envs/ft-$FT_VERSION-torch$FT_TORCH-$PYTAG-$(cksum < "$REPO/scripts/ft-requirements.txt" | cut -d' ' -f1)" ;;
   *) usage ;;
 esac
 
@@ -128,6 +133,15 @@ case $LANE in
     "$ENV/bin/python" -m pip install -q "torch==$XLA_TORCH" "torch-xla==$XLA_VERSION" numpy lightning-utilities \
       pytest hypothesis pytest-timeout
     PJRT_DEVICE=CPU "$ENV/bin/python" -c 'import torch_xla.core.xla_model as xm; print(xm.xla_device())' >&2
+    finish
+    ;;
+  ft)
+    new_venv
+    # torch 2.13.0 CPU from the local wheel folder (pip's find-links), torchft and its opentelemetry
+    # requirements pinned, plus what the tests use.
+    "$ENV/bin/python" -m pip install -q "torch==$FT_TORCH" -r "$REPO/scripts/ft-requirements.txt" numpy \
+      lightning-utilities pytest hypothesis pytest-timeout
+    "$ENV/bin/python" -c 'import torchft, torchft.coordination; print("torchft", torchft.__file__)' >&2
     finish
     ;;
   mpi)

@@ -49,17 +49,34 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         numpy.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss_np))
 
 
+NOT_EXACT_ON_3_RANKS = (
+    "fabric.resume_state(): with strategy='ddp' on 3 or more ranks a resumed run is not bit-exact: DDP rebuilds its "
+    "gradient buckets after its first backward, so the resumed run's first step sums the gradients in another "
+    "order and the last bits differ. Use strategy='ddp_find_unused_parameters_true' (DDP then keeps its buckets) "
+    "where bit-exact resume matters.")
+
+
+def rebuilds_buckets(strategy: Any) -> bool:
+    """Whether ``strategy`` is plain DDP, whose first backward rebuilds its gradient buckets (with
+    ``find_unused_parameters`` it never does)."""
+    return getattr(strategy, "name", None) == "ddp" and not getattr(strategy, "ddp_kwargs", {}).get(
+        "find_unused_parameters", False)
+
+
 class ResumeState:
     """The random state of every rank, for a checkpoint (see the module docstring).
 
     ``state_dict()`` is a collective: every rank must save the same state dict. ``load_state_dict(d)``
     restores this rank's generators; a checkpoint written by a different number of ranks raises ValueError,
     unless ``strict`` is False (then the generators are left as they are, with a warning).
-    ``fabric.load(..., strict=...)`` sets ``strict``."""
+    ``fabric.load(..., strict=...)`` sets ``strict``. Made under plain ``ddp`` on 3 or more ranks, it warns (on rank
+    0) that the resume will not be bit-exact, naming the fix (:data:`NOT_EXACT_ON_3_RANKS`)."""
 
     def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
         self.strict = True
+        if rebuilds_buckets(strategy) and strategy.world_size >= 3 and strategy.global_rank == 0:
+            warnings.warn(NOT_EXACT_ON_3_RANKS, stacklevel=3)
         #: the states loaded last (every rank's), None before a load
         self.loaded: Optional[List[Dict[str, Any]]] = None
 

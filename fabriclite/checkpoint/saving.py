@@ -119,10 +119,17 @@ def load_checkpoint(strategy: Any, path: PathLike, state: Any = None, strict: bo
     if not isinstance(checkpoint, dict):
         raise TypeError(f"{os.fspath(path)} holds a {type(checkpoint).__name__}, not a dict of named states; "
                         "use load_raw(path, module) for a bare state_dict.")
+    return restore_into(strategy, state, checkpoint, strict, f"the checkpoint {os.fspath(path)}")
+
+
+def restore_into(strategy: Any, state: Dict[str, Any], checkpoint: Dict[str, Any], strict: bool = True,
+                 source: str = "the checkpoint") -> Dict[str, Any]:
+    """Restore ``state`` in place from ``checkpoint`` (a dict as ``to_saveable`` makes it; consumed) and return
+    what was not restored: see ``load_checkpoint``. ``source`` names it in the KeyError of a missing key."""
     missing = [key for key in state if key not in checkpoint]
     if strict and missing:
-        raise KeyError(f"The requested state contains key {missing[0]!r}, which is not in the checkpoint "
-                       f"{os.fspath(path)} (it has {sorted(checkpoint)}). Pass strict=False to skip missing keys.")
+        raise KeyError(f"The requested state contains key {missing[0]!r}, which is not in {source} "
+                       f"(it has {sorted(checkpoint)}). Pass strict=False to skip missing keys.")
     modules = [obj for obj in state.values() if isinstance(obj, nn.Module)]
     for key, obj in list(state.items()):
         if key not in checkpoint:
@@ -149,4 +156,5 @@ def load_raw(strategy: Any, path: PathLike, obj: Union[nn.Module, Optimizer], st
     load_checkpoint(strategy, path, obj, strict=strict, weights_only=weights_only)
 
 
-__all__ = ["check_filter", "is_stateful", "load_checkpoint", "load_raw", "read", "save_checkpoint", "to_saveable"]
+__all__ = ["check_filter", "is_stateful", "load_checkpoint", "load_raw", "read", "restore_into", "save_checkpoint",
+           "to_saveable"]

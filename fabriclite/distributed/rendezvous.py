@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
@@ -101,22 +101,14 @@ def join_store(address: str, port: int, timeout: timedelta) -> TCPStore:
     ``address:port``, then joins the store. Raises RendezvousError naming the address and port when
     nobody answers in time, or when what answers is not a rendezvous store.
     """
-    start = time.monotonic()
-    deadline = start + timeout.total_seconds()
-    delay = 0.05
-    while True:
-        try:
-            socket.create_connection((address, port), timeout=min(2.0, max(0.1, deadline - time.monotonic()))).close()
-            break
-        except OSError as err:
-            if time.monotonic() + delay > deadline:
-                raise RendezvousError(
-                    f"fabriclite: could not reach the rendezvous store at {address}:{port} within "
-                    f"{time.monotonic() - start:.0f} s (timeout {timeout.total_seconds():.0f} s): {err}. Check that "
-                    f"node 0 is started, that {address} is reachable from this host and that port {port} is open."
-                ) from err
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+    deadline = time.monotonic() + timeout.total_seconds()
+    try:
+        wait_listening(address, port, timeout)
+    except RendezvousError as err:
+        raise RendezvousError(
+            f"fabriclite: could not reach the rendezvous store at {address}:{port} {err}. Check that "
+            f"node 0 is started, that {address} is reachable from this host and that port {port} is open."
+        ) from None
     connect_s = min(max(deadline - time.monotonic(), 1.0), 10.0)
     wrong = (f"fabriclite: something answers at {address}:{port}, but it is not a rendezvous store that accepted "
              f"this client{{}}. Check --main-address / --main-port (MASTER_ADDR / MASTER_PORT).")
@@ -133,6 +125,25 @@ def join_store(address: str, port: int, timeout: timedelta) -> TCPStore:
     store = result[0]
     store.set_timeout(timeout)
     return store
+
+
+def wait_listening(address: str, port: int, timeout: timedelta, alive: Callable[[], bool] = lambda: True) -> None:
+    """Return once something accepts TCP connections at ``address:port``, waiting in Python (signals are handled
+    meanwhile); RendezvousError "within N s (timeout T s): <why>" when ``timeout`` passes or ``alive()`` turns
+    false first."""
+    start = time.monotonic()
+    deadline = start + timeout.total_seconds()
+    delay = 0.05
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=min(2.0, max(0.1, deadline - time.monotonic()))).close()
+            return
+        except OSError as err:
+            if time.monotonic() + delay > deadline or not alive():
+                raise RendezvousError(f"within {time.monotonic() - start:.0f} s (timeout "
+                                      f"{timeout.total_seconds():.0f} s): {err}") from err
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
 
 def _connect(address: str, port: int, timeout_s: float, result: List[Any]) -> None:

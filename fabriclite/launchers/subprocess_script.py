@@ -12,8 +12,10 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence
 
 from fabriclite.launchers.base import Launcher
+from fabriclite.launchers.warm_spare import Spares
 from fabriclite.distributed.rendezvous import RendezvousError
 from fabriclite.supervision.rank_child import die_with_parent, load_prctl
+from fabriclite.supervision.lighthouse import LiveOptions
 from fabriclite.supervision.output_forwarding import OutputOptions
 from fabriclite.supervision.preemption import PreemptOptions
 from fabriclite.supervision.restarts import RestartPolicy
@@ -48,19 +50,30 @@ def script_command() -> List[str]:
 def run_supervised(command: Sequence[str], layout: NodeLayout, main_address: str, main_port: int,
                    timeout: timedelta, output: Optional[OutputOptions] = None,
                    extra_env: Optional[Dict[str, str]] = None, restarts: Optional[RestartPolicy] = None,
-                   preempt: Optional[PreemptOptions] = None) -> int:
+                   preempt: Optional[PreemptOptions] = None, live: Optional[LiveOptions] = None) -> int:
     """Start ``command`` once per local rank under a Supervisor (each rank's environment gets
-    ``extra_env`` too; ``restarts`` / ``preempt``: see supervision.restarts / .preemption, default from the
-    environment); its summary goes to stderr; return the exit
-    code (1 with a clear message on stderr when the rendezvous store cannot be hosted or joined)."""
+    ``extra_env`` too; ``restarts`` / ``preempt`` / ``live``: see supervision.restarts / .preemption / .lighthouse,
+    default from the environment / none); its summary goes to stderr; return the exit
+    code (1 with a clear message on stderr when the rendezvous store or the lighthouse cannot be hosted or
+    joined)."""
     supervisor = Supervisor(layout, main_address, main_port, timeout, output, extra_env=extra_env,
-                            restarts=restarts, preempt=preempt or PreemptOptions.from_env())
+                            restarts=restarts, preempt=preempt or PreemptOptions.from_env(), live=live)
+    # live recovery: a restarted rank is a warm spare, its imports done (launchers/warm_spare.py)
+    spares = Spares.for_job(command, supervisor.output, supervisor.restarts.max_restarts) if live is not None else None
+
+    def start(local_rank: int, env: Dict[str, str]) -> Any:
+        rank = layout.global_rank(local_rank)
+        spare = spares.start(local_rank, env, rank, restart=supervisor.round > 0) if spares is not None else None
+        return spare or PopenWorker(command, env, supervisor.output, rank)
+
     try:
-        return supervisor.run(lambda local_rank, env: PopenWorker(command, env, supervisor.output,
-                                                                  layout.global_rank(local_rank)))
+        return supervisor.run(start)
     except RendezvousError as err:
         print_summary(str(err))
         return 1
+    finally:
+        if spares is not None:
+            spares.close()
 
 
 class SubprocessScriptLauncher(Launcher):

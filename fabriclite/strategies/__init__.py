@@ -25,6 +25,7 @@ STRATEGIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "ddp_notebook": ("fabriclite.strategies.ddp:DDPStrategy", {"start_method": "fork"}),
     "ddp_find_unused_parameters_true": (
         "fabriclite.strategies.ddp:DDPStrategy", {"start_method": "popen", "find_unused_parameters": True}),
+    "fault_tolerant": ("fabriclite.strategies.fault_tolerant:FaultTolerantStrategy", {}),
     "fsdp": ("fabriclite.strategies.fsdp:FSDPStrategy", {}),
     "fsdp_cpu_offload": ("fabriclite.strategies.fsdp:FSDPStrategy", {"cpu_offload": True}),
     "single_device": ("fabriclite.strategies.single_device:SingleDeviceStrategy", {}),

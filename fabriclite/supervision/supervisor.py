@@ -16,6 +16,8 @@ the job into one clear ending.
 - SIGINT to the supervisor stops every rank (exit code 130); the first SIGTERM / SIGUSR1 is a preemption
   notice with a grace period (supervision/preemption.py), a second one stops every rank (128 + signal).
 - Restarts (supervision/restarts.py): with ``restarts.max_restarts``, a failed round is followed by a new one.
+- Live recovery (``live``, supervision/lighthouse.py): the node is a job of its own (its own store, restarts
+  and exit code); node 0's supervisor also runs the lighthouse, the one thing the nodes share.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from fabriclite.environments.fabriclite_env import child_env
 from fabriclite.supervision.rank_child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
 from fabriclite.supervision.failures import Failure, remote_is_root, root_cause, signal_name, summarize
 from fabriclite.supervision.output_forwarding import OutputOptions
+from fabriclite.supervision.lighthouse import Lighthouse, LiveOptions, wait_reachable
 from fabriclite.supervision.linger import leave
 from fabriclite.supervision.preemption import EXIT_PREEMPTED, PreemptOptions, Preemption, stop_marker
 from fabriclite.supervision.reaper import Reaper
@@ -99,6 +102,7 @@ class Supervisor:
         report: bool = True,
         restarts: Optional[RestartPolicy] = None,
         preempt: Optional[PreemptOptions] = None,
+        live: Optional[LiveOptions] = None,
     ) -> None:
         if layout.num_nodes > 1 and not main_port:
             main_port = DEFAULT_MULTI_NODE_PORT  # every node must agree; one node alone picks a free port
@@ -126,6 +130,8 @@ class Supervisor:
         self.round = 0
         self.run_id = rendezvous.run_id()
         self.preemption = Preemption(preempt)
+        self.live = live
+        self._lighthouse: Optional[Lighthouse] = None
 
     # ------------------------------------------------------------------ the job's store
     def _open_store(self) -> None:
@@ -135,6 +141,17 @@ class Supervisor:
         else:
             self._raw_store = rendezvous.join_store(self.main_address, self.main_port, self.timeout)
         self._store = rendezvous.prefixed(self._raw_store, rendezvous.KEY_PREFIX)  # round 0's (see _play)
+
+    def _open_lighthouse(self, live: LiveOptions) -> None:
+        """Node 0 (without --lighthouse) starts the lighthouse; every node waits until it answers (LighthouseError
+        naming the address after ``timeout``)."""
+        host, port = live.host_port
+        if live.host_lighthouse:
+            self._lighthouse = Lighthouse(host, port, live.min_replicas, os.path.join(self._tmpdir, "lighthouse.log"))
+            self._reaper.watch(self._lighthouse.pid)
+            self._lighthouse.wait_ready(self.timeout)
+        else:
+            wait_reachable(host, port, self.timeout)
 
     def child_env(self, local_rank: int) -> Dict[str, str]:
         """The variables a rank started here runs with (read by FabricliteEnvironment), plus the
@@ -196,12 +213,17 @@ class Supervisor:
             self.output.close()
             code, line = self.preemption.finish(code, self.layout.node_rank)
             self.summary = "\n".join(s for s in (self.summary, line) if s)
-            if self.report:
-                print_summary(self.summary)
+            self._report(self.summary)
+            if self._lighthouse is not None:  # the other groups may still train: keep it up for them
+                self._lighthouse.linger(lambda: self._signal is not None)
             self._leave(failed=code != 0)
             return code
         finally:
             self._stop_all()
+            if self._lighthouse is not None:
+                self._lighthouse.stop()
+                if self._reaper is not None:
+                    self._reaper.forget(self._lighthouse.pid)
             if self._reaper is not None:
                 self._reaper.close()
             restore()
@@ -214,6 +236,8 @@ class Supervisor:
         self._opening = True
         try:
             self._open_store()
+            if self.live is not None:
+                self._open_lighthouse(self.live)
         except _Interrupted:
             return self._interrupted(self._signal or signal.SIGINT)
         finally:
@@ -238,7 +262,9 @@ class Supervisor:
         return code
 
     def _report(self, text: str) -> None:
-        if self.report:
+        if self.report and text:
+            if self.live is not None:  # its ranks are numbered inside the group: say which node's group this is
+                text = f"fabriclite: replica group {self.live.group} of {self.live.groups} (--fault-tolerant):\n{text}"
             print_summary(text)
 
     def _watch(self) -> int:

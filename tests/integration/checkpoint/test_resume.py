@@ -271,3 +271,28 @@ def _uninterrupted_then_resumed(fabric, directory):
 
 def test_a_mid_epoch_checkpoint_resumes_bit_for_bit(pool2, tmp_path):
     assert pool2.run(_uninterrupted_then_resumed, str(tmp_path)) == [True, True]
+
+
+def _resume_state_warnings(fabric):
+    import warnings
+
+    from fabriclite.checkpoint.resume_state import NOT_EXACT_ON_3_RANKS, ResumeState
+    from fabriclite.strategies import create_strategy
+
+    exact = create_strategy("ddp_find_unused_parameters_true")
+    exact.cluster_environment = fabric.strategy.cluster_environment
+    with warnings.catch_warnings(record=True) as plain_caught:
+        warnings.simplefilter("always")
+        fabric.resume_state()
+    with warnings.catch_warnings(record=True) as exact_caught:
+        warnings.simplefilter("always")
+        ResumeState(exact)
+    plain = [str(w.message) for w in plain_caught if str(w.message) == NOT_EXACT_ON_3_RANKS]
+    return fabric.strategy.name, len(plain), len([w for w in exact_caught if "bit-exact" in str(w.message)])
+
+
+def test_resume_state_warns_that_plain_ddp_on_3_ranks_is_not_bit_exact(pool3, pool2):
+    # rank 0 of a 3-rank ddp job warns once, naming the fix; the other ranks, ddp_find_unused_parameters_true and
+    # 2 ranks (a sum of two is the same in either order) do not
+    assert pool3.run(_resume_state_warnings) == [("ddp", 1, 0), ("ddp", 0, 0), ("ddp", 0, 0)]
+    assert pool2.run(_resume_state_warnings) == [("ddp", 0, 0), ("ddp", 0, 0)]

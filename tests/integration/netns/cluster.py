@@ -20,6 +20,7 @@ Needs root and iproute2 (``ip``) and util-linux (``unshare``). Adapted from netn
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
@@ -28,13 +29,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 #: names of what a test run's cluster makes: "fl<pid of the run>" + "n<node>" or "hub"
 RUN_NAME_RE = re.compile(r"^fl(\d{1,7})(?:n\d+|hub)$")
 ETC = Path("/etc/netns")
 ETC_MARK = ".fabriclite-created"   # in /etc/netns: we created the directory, remove it when it is empty
 HOSTS_TAG = "# fabriclite netns cluster"
+
+
+def lifetime(num_nodes: int) -> Iterator["Cluster"]:
+    """For a fixture: sweep dead runs' leftovers, bring ``num_nodes`` nodes up, yield the cluster, take it down
+    (also at exit, for an interrupted run) and check nothing is left. Check ``unavailable_reason()`` first."""
+    sweep()
+    nodes = Cluster(num_nodes)
+    atexit.register(nodes.down)
+    try:
+        yield nodes.up()
+    finally:
+        nodes.down()
+        atexit.unregister(nodes.down)
+    assert not nodes.leftovers(), f"left after teardown: {nodes.leftovers()}"
 
 
 def unavailable_reason() -> Optional[str]:

@@ -6,7 +6,6 @@ whose owner pid is gone.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 from typing import Iterator
@@ -15,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from cluster import Cluster, sweep, unavailable_reason  # noqa: E402
+from cluster import Cluster, lifetime, unavailable_reason  # noqa: E402
 
 NUM_NODES = 3
 
@@ -27,12 +26,4 @@ def cluster() -> Iterator[Cluster]:
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"multi-node tests need network namespaces: {reason}")
-    sweep()
-    nodes = Cluster(NUM_NODES)
-    atexit.register(nodes.down)
-    try:
-        yield nodes.up()
-    finally:
-        nodes.down()
-        atexit.unregister(nodes.down)
-    assert not nodes.leftovers(), f"left after teardown: {nodes.leftovers()}"
+    yield from lifetime(NUM_NODES)

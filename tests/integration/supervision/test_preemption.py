@@ -198,3 +198,26 @@ def test_without_a_supervisor_global_rank_0_requeues_at_exit(tmp_path, stub_scon
     assert "RECORDED True True" in done.stdout
     assert record.read_text().splitlines() == ["requeue 99"]
     assert "fabriclite: requeued SLURM job 99 (scontrol requeue 99)." in done.stderr
+
+
+SLEEPER = r'''
+import time
+from fabriclite import Fabric
+fabric = Fabric(accelerator="cpu")
+fabric.launch()
+fabric.barrier()
+if fabric.global_rank == 0:
+    print(f"ALL READY round {fabric.restart_count}", flush=True)
+time.sleep(120)  # never checks for preemption: the grace period runs out and the supervisor stops the ranks
+'''
+
+
+def test_a_preempted_job_is_never_restarted_by_max_restarts(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    proc = start(["--max-restarts", "2", "--preempt-grace", "1"], {}, script=str(script))
+    signal_when(proc, "ALL READY round 0", signal.SIGTERM)  # a real signal to the real supervisor
+    code, out, err = finish(proc)
+    assert code == 75, err
+    assert "not restarting: the job was interrupted or preempted" in err, err
+    assert "restarting every rank" not in err and "ALL READY round 1" not in out, (out, err)

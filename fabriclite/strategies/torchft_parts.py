@@ -1,0 +1,102 @@
+"""torchft's parts as the fault_tolerant strategy uses them. Importing this module imports torchft (pinned to
+0.2.0 by the ``fabriclite[ft]`` extra); only ``fabriclite.strategies.fault_tolerant`` imports it, on first use.
+
+Two fixes of torchft 0.2 live here, each the smallest subclass that works:
+
+- :class:`ReplicaDDP`: when a peer dies inside the gradient all-reduce, gloo raises in the wait; torchft's managed
+  work records the error but leaves its inner future unset (later buckets get a dummy work instead), and
+  torchft's comm hook asserts on it, so every survivor crashed. Here the hook then returns a completed future
+  holding the bucket: the Manager has recorded the error, the step is not committed and the script retries it.
+- :func:`build_manager` imports ``torch._dynamo`` (which torchft's DDP wrapper imports lazily, ~1 s) before the
+  Manager starts heartbeating, and uses the process-group checkpoint transport (torchft's HTTP transport
+  advertises ``gethostname()``, which maps to 127.0.1.1 on Debian hosts, and binds IPv6 only).
+"""
+# no ``from __future__ import annotations``: DDP checks the comm hook's annotations as objects
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch._dynamo  # noqa: F401 - see build_manager
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+from torchft.checkpointing.pg_transport import PGTransport
+from torchft.ddp import DistributedDataParallel
+from torchft.manager import Manager
+from torchft.optim import OptimizerWrapper
+from torchft.process_group import ProcessGroupGloo
+
+from fabriclite.supervision.lighthouse import LiveOptions
+
+
+def build_manager(options: LiveOptions, group_rank: int, group_world_size: int, store_address: str,
+                  store_port: int, timeout: timedelta, quorum_timeout: timedelta,
+                  connect_timeout: timedelta) -> "Manager":
+    """This replica group's Manager: its store is the group's own (``store_address:store_port``, hosted by the
+    node's supervisor at the node's advertised address), its replica id ``group_<node rank>``, and a heal's
+    state travels over the cross-group gloo process group. ``init_sync``: every group starts from group 0's
+    initial state (the others heal from it at step 0)."""
+    pg = ProcessGroupGloo(timeout=timeout)
+    transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
+    return Manager(
+        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=options.min_replicas, use_async_quorum=True,
+        timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, rank=group_rank,
+        world_size=group_world_size, store_addr=store_address, store_port=store_port,
+        lighthouse_addr=f"http://{options.lighthouse}", replica_id=f"group_{options.group}",
+        hostname=options.address, checkpoint_transport=transport, init_sync=True,
+    )
+
+
+def finish_heal(manager: Manager) -> bool:
+    """Wait for the quorum ``manager.start_quorum()`` began; if this group was behind, apply the state a peer
+    sent (the Manager's registered load function) now, on this thread, instead of in the step's commit.
+    Whether a state was applied. The group still takes no part in this step's gradient (it was not at the
+    quorum's step when the quorum formed), exactly as torchft's own asynchronous heal."""
+    manager.wait_quorum()
+    if not manager._healing:  # torchft 0.2.0's flag: set by the quorum when this group must heal
+        return False
+    if manager._pending_state_dict is None:  # the transfer failed: the error is recorded, try another quorum
+        return False
+    manager._apply_pending_state_dict()
+    manager._healing = False  # applied: the step's commit must not apply it again
+    return True
+
+
+class ReplicaDDP(DistributedDataParallel):
+    """torchft's DDP (gradients averaged across the quorum's groups) with the comm hook fixed (module docstring)."""
+
+    def __init__(self, manager: Manager, module: nn.Module) -> None:
+        super().__init__(manager, module)
+
+    @staticmethod
+    def _comm_hook(state: Manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        work = state.allreduce(bucket.buffer())
+        work.wait()
+        future = work.get_future()
+        inner = getattr(future, "_fut", future)  # a managed future's result; a dummy work's future is plain
+        if inner is None:  # the all-reduce failed: the Manager recorded it, the step will not commit
+            inner = torch.futures.Future()
+            inner.set_result(bucket.buffer())
+        return inner
+
+
+class ReplicaOptimizer(OptimizerWrapper):
+    """torchft's optimizer wrapper: ``zero_grad`` calls ``start_step`` (the step's quorum), ``step`` steps only
+    when the quorum commits and returns True then, else False (the gradients were dropped: a group failed)."""
+
+    def __init__(self, manager: Manager, optimizer: Optimizer, start_step: Callable[[], None]) -> None:
+        super().__init__(manager, optimizer)
+        self._start_step = start_step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._start_step()
+        self.optim.zero_grad(set_to_none)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> bool:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("under --fault-tolerant, optimizer.step(closure) is not supported (torchft's optimizer "
+                             "wrapper commits once per step): compute the loss, call fabric.backward, then step().")
+        if self.manager.should_commit():
+            self.optim.step()
+            return True
+        return False

@@ -1,0 +1,189 @@
+"""Live recovery (``fabriclite run --fault-tolerant``): the options every node's supervisor and rank share, and
+torchft's lighthouse in its own process.
+
+- Each node is one torchft replica group with its own supervisor, its own store (on its own node, a free port)
+  and its own ``--max-restarts`` budget: a failure stays on its node. The only thing shared across nodes is
+  the lighthouse, which agrees the quorum of live groups.
+- Node 0's supervisor starts the lighthouse (torchft's ``torchft_lighthouse`` command, in its own process,
+  never inside a rank) at ``--main-address`` on ``--main-port`` itself, before its ranks, and keeps it up
+  through its ranks' failures and restarts until every other group has finished or given up (no group has
+  heartbeated for ``LINGER_S``). ``--lighthouse HOST:PORT`` names an external one instead; node 0 then starts
+  none.
+- The lighthouse's timeouts (``JOIN_TIMEOUT_MS``, ``HEARTBEAT_TIMEOUT_MS``) drop a lost group from the quorum
+  within about a second instead of torchft's one-minute join default.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional, Tuple
+
+from fabriclite.distributed import rendezvous
+from fabriclite.distributed.network import local_address_towards
+from fabriclite.supervision.rank_child import die_with_parent, load_prctl
+from fabriclite.supervision.stopping import kill_group, reap
+
+#: a group whose heartbeat is this old is dead for the lighthouse (torchft's default: 5 s)
+HEARTBEAT_TIMEOUT_MS = 1000
+#: how long the lighthouse waits for groups that heartbeat but have not asked for the quorum (torchft's: 60 s)
+JOIN_TIMEOUT_MS = 300
+#: how often the lighthouse tries to form a quorum (torchft's default: 100 ms)
+QUORUM_TICK_MS = 50
+#: node 0 stops its lighthouse once no group has heartbeated for this long (after its own group ended)
+LINGER_S = 3.0
+POLL_S = 0.2
+#: the rank's environment under --fault-tolerant (LiveOptions.to_env / from_env)
+ENV = {"lighthouse": "FABRICLITE_FT_LIGHTHOUSE", "group": "FABRICLITE_FT_GROUP", "groups": "FABRICLITE_FT_GROUPS",
+       "min_replicas": "FABRICLITE_FT_MIN_REPLICAS", "address": "FABRICLITE_FT_ADDRESS"}
+FT_EXTRA = "pip install 'fabriclite[ft]' (torchft 0.2.0 and its pinned requirements)"
+
+
+class LighthouseError(rendezvous.RendezvousError):
+    """The lighthouse could not be started or reached; the message names the address and how to fix it."""
+
+
+@dataclass(frozen=True)
+class LiveOptions:
+    """Where this node's replica group sits: ``group`` of ``groups`` (its node rank, the number of nodes), the
+    lighthouse ``host:port``, the quorum's minimum, and ``address``: this node's address other groups reach
+    (its store, its torchft manager and its process group are advertised there)."""
+
+    lighthouse: str
+    group: int
+    groups: int
+    min_replicas: int = 1
+    address: str = "127.0.0.1"
+    host_lighthouse: bool = False
+
+    def to_env(self) -> Dict[str, str]:
+        """The variables a rank of this group reads back with :meth:`from_env`."""
+        return {ENV[k]: str(getattr(self, k)) for k in ENV}
+
+    @classmethod
+    def from_env(cls) -> Optional["LiveOptions"]:
+        """The options a supervisor started under --fault-tolerant gave this rank; None outside that mode."""
+        if ENV["lighthouse"] not in os.environ:
+            return None
+        env = os.environ
+        return cls(env[ENV["lighthouse"]], int(env[ENV["group"]]), int(env[ENV["groups"]]),
+                   int(env[ENV["min_replicas"]]), env[ENV["address"]])
+
+    @property
+    def host_port(self) -> Tuple[str, int]:
+        host, _, port = self.lighthouse.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+def parse_address(value: str, where: str) -> Tuple[str, int]:
+    """``HOST:PORT`` as (host, port); ValueError naming ``where`` otherwise."""
+    match = re.fullmatch(r"\[?([^\[\]]+?)\]?:(\d+)", value.strip())
+    if not match or not 0 < int(match.group(2)) < 65536:
+        raise ValueError(f"{where} {value!r}: expected HOST:PORT, e.g. 10.0.0.5:29510.")
+    return match.group(1), int(match.group(2))
+
+
+def advertised_address(towards: str) -> str:
+    """This node's address as the other nodes reach it: 127.0.0.1 when ``towards`` (the lighthouse) is on this
+    host's loopback, else the local address on the route to it (never the 127.0.1.1 a hostname may map to)."""
+    if towards in ("localhost", "::1") or towards.startswith("127."):
+        return "127.0.0.1"
+    return local_address_towards(towards) or towards
+
+
+class Lighthouse:
+    """torchft's lighthouse in its own process (``torchft_lighthouse``), dying with this supervisor."""
+
+    def __init__(self, host: str, port: int, min_replicas: int, log_path: str) -> None:
+        self.host, self.port = host, port
+        if rendezvous.port_in_use(host, port):
+            raise LighthouseError(f"fabriclite: cannot start the lighthouse: port {port} on {host} is already in "
+                                  f"use. Pick a free --main-port, or pass --lighthouse HOST:PORT to use a running one.")
+        beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")  # torchft's console script
+        command = [beside if os.path.exists(beside) else (shutil.which("torchft_lighthouse") or beside),
+                   "--bind", f"[::]:{port}", "--min_replicas", str(min_replicas),
+                   "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--quorum_tick_ms", str(QUORUM_TICK_MS),
+                   "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
+        parent = os.getpid()
+        load_prctl()
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=lambda: die_with_parent(parent),
+                                        env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+        self.pid = self.process.pid
+        self._log_path = log_path
+
+    def wait_ready(self, timeout: timedelta) -> None:
+        """Return once the lighthouse accepts connections; LighthouseError (with its output) if it exits first."""
+        try:
+            wait_reachable(self.host, self.port, timeout, alive=lambda: self.process.poll() is None)
+        except LighthouseError as err:
+            self.stop()
+            with open(self._log_path, errors="replace") as log:
+                tail = log.read()[-2000:]
+            raise LighthouseError(f"{err}\n  the lighthouse's output:\n{tail}") from None
+
+    def groups_alive(self) -> Optional[List[str]]:
+        """The replica groups the lighthouse has heard from within its heartbeat timeout (from its status
+        page); None when it does not answer."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{self.port}/status", timeout=2) as reply:
+                page = reply.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        return live_groups(page, HEARTBEAT_TIMEOUT_MS / 1000)
+
+    def linger(self, stop_waiting: Callable[[], bool]) -> None:
+        """Keep the lighthouse up until no group has heartbeated for LINGER_S (every other group finished or
+        gave up), or ``stop_waiting()`` (a signal to this supervisor)."""
+        quiet_since = time.monotonic()
+        while not stop_waiting() and self.process.poll() is None:
+            alive = self.groups_alive()
+            if alive:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= LINGER_S:
+                return
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        """End the lighthouse process (idempotent)."""
+        if self.process.poll() is None:
+            kill_group(self.pid, 15)
+            deadline = time.monotonic() + 2
+            while self.process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+        kill_group(self.pid, 9)
+        reap(self)
+        self._log.close()
+
+    def poll(self) -> Optional[int]:
+        return self.process.poll()
+
+
+def live_groups(page: str, heartbeat_timeout_s: float) -> List[str]:
+    """The replica ids whose last heartbeat, as torchft's lighthouse status page lists it ("<id>: seen 1.35s ago",
+    a Rust Duration), is younger than ``heartbeat_timeout_s``."""
+    units = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+    alive = []
+    for replica, value, unit in re.findall(r"([^\s<>]+): seen ([0-9.]+)(ns|µs|us|ms|s) ago", page):
+        if float(value) * units[unit] < heartbeat_timeout_s:
+            alive.append(replica)
+    return alive
+
+
+def wait_reachable(host: str, port: int, timeout: timedelta, alive: Callable[[], bool] = lambda: True) -> None:
+    """Return once something accepts connections at ``host:port``; LighthouseError naming the address after
+    ``timeout`` (or as soon as ``alive()`` is false)."""
+    try:
+        rendezvous.wait_listening(host, port, timeout, alive)
+    except rendezvous.RendezvousError as err:
+        raise LighthouseError(f"fabriclite: could not reach the lighthouse at {host}:{port} {err}; start node 0 "
+                              f"(it hosts the lighthouse), or check --lighthouse / --main-address and that port "
+                              f"{port} is open.") from None

@@ -1,0 +1,99 @@
+"""The script the ft lane runs under ``fabriclite run --fault-tolerant``: a plain Fabric training loop (no torchft
+import) that keeps its step in the state dict it passes to ``load_latest``, saves no checkpoint unless
+``FT_SAVE_EVERY`` is set (a healed state can then only come from a live peer; with it, each group saves to its own
+``OUT/checkpoints-<group>`` every N committed steps, keep=2), and appends one line per loop iteration to ``OUT/steps-<group>.txt``:
+
+    start <restart round> <step after load_latest> <time> <what load_latest returned>
+    process <restart round> <the process's start time>
+    saved <step> <time when fabric.save returned>
+    <step after this iteration> <time> <1 if the step committed else 0>
+
+A group stops once it has reached ``STEPS``, made a step since it started, every group has started (a ``start``
+line in its log) and every group named in ``FT_WAIT_BACK`` (default: the killed ones) has come back (a ``start``
+line of round >= 1): the healthy groups keep training while a late or killed one starts, however slow that is on
+a loaded machine, and all end at the same step. At the
+end it writes its weights to ``OUT/final-<group>.pt``. ``FT_KILL_GROUP`` / ``FT_KILL_STEP`` /
+``FT_KILL_WHERE`` (``between``: after a committed step; ``allreduce``: after the forward, while the others wait
+in the gradient all-reduce) SIGKILL that group's rank at the first step >= FT_KILL_STEP of its first incarnation
+(``FT_KILL_ROUNDS``: of its first N).
+"""
+import time
+
+STARTED = time.time()  # the process's start, before torch is imported (the benchmark's restart-to-step time)
+
+import os  # noqa: E402
+import signal
+import sys  # noqa: E402
+
+import torch
+from torch import nn  # noqa: E402
+
+from fabriclite import Fabric  # noqa: E402
+
+out, steps = sys.argv[1], int(sys.argv[2])
+pace = float(os.environ.get("FT_PACE", "0.02"))
+kill_groups = [int(g) for g in os.environ.get("FT_KILL_GROUP", "").split(",") if g]
+kill_step = int(os.environ.get("FT_KILL_STEP", "-1"))
+kill_where = os.environ.get("FT_KILL_WHERE", "between")
+kill_rounds = int(os.environ.get("FT_KILL_ROUNDS", "1"))
+wait_back = [int(g) for g in os.environ.get("FT_WAIT_BACK", os.environ.get("FT_KILL_GROUP", "")).split(",") if g]
+
+
+def started(g: int, min_round: int) -> bool:
+    path = os.path.join(out, f"steps-{g}.txt")
+    lines = open(path).read().splitlines() if os.path.exists(path) else []
+    return any(line.startswith("start ") and int(line.split()[1]) >= min_round for line in lines)
+
+
+def all_back() -> bool:
+    """Every group has started in this launch (a group starting after the others ended would train alone) and
+    every group of FT_WAIT_BACK has come back."""
+    groups = int(os.environ.get("FABRICLITE_FT_GROUPS", "1"))
+    return all(started(g, 0) for g in range(groups)) and all(started(g, 1) for g in wait_back)
+
+
+fabric = Fabric()
+group = int(os.environ.get("FABRICLITE_FT_GROUP", fabric.global_rank))  # plain ddp (the benchmark's baseline): the rank
+torch.manual_seed(1234 + group)  # different initial weights per group: init_sync must make them equal
+width, batch = int(os.environ.get("FT_WIDTH", "32")), int(os.environ.get("FT_BATCH", "32"))  # the benchmark's sizes
+model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+model, optimizer = fabric.setup(model, optimizer)
+state = {"model": model, "optimizer": optimizer, "step": 0}
+log = open(os.path.join(out, f"steps-{group}.txt"), "a", buffering=1)
+save_every = int(os.environ.get("FT_SAVE_EVERY", "0"))  # 0: never save (a healed state then comes from a peer)
+checkpoints = os.path.join(out, f"checkpoints-{group}")  # each group its own directory
+source = fabric.load_latest(checkpoints, state)
+log.write(f"start {fabric.restart_count} {state['step']} {time.time():.4f} {source}\n")
+log.write(f"process {fabric.restart_count} {STARTED:.4f}\n")
+dies = group in kill_groups and fabric.restart_count < kill_rounds
+
+
+def die(where: str) -> None:
+    if dies and kill_where == where and state["step"] >= kill_step:
+        if where == "allreduce":
+            time.sleep(0.3)  # the other groups are inside the all-reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+done = 0
+while not (state["step"] >= steps and done > 0 and all_back()):
+    optimizer.zero_grad()
+    gen = torch.Generator().manual_seed(100_000 * group + state["step"])
+    x = torch.randn(batch, 16, generator=gen)
+    loss = ((model(x) - x.sum(1, keepdim=True).tanh()) ** 2).mean()
+    die("allreduce")
+    fabric.backward(loss)
+    committed = optimizer.step() is not False  # --fault-tolerant: whether the quorum committed; ddp: None
+    if committed:
+        state["step"] += 1
+        done += 1
+        if save_every and state["step"] % save_every == 0:
+            fabric.save(os.path.join(checkpoints, f"step-{state['step']:04d}.ckpt"), state, keep=2)
+            log.write(f"saved {state['step']} {time.time():.4f}\n")
+    log.write(f"{state['step']} {time.time():.4f} {int(bool(committed))}\n")
+    die("between")
+    time.sleep(pace)
+
+torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"final-{group}.pt"))
+log.write(f"end {state['step']} {time.time():.4f}\n")

@@ -1,0 +1,103 @@
+"""Live recovery's pieces that need no torchft: the options a supervisor hands its ranks, the lighthouse address
+flag, the lighthouse status page's heartbeats, and the one-line refusals of `fabriclite run --fault-tolerant`
+(the whole mode runs in the ft lane: tests/integration/backends/lane_ft)."""
+from __future__ import annotations
+
+import importlib.util
+from datetime import timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fabriclite import Fabric, cli
+from fabriclite.supervision.lighthouse import (LighthouseError, LiveOptions, advertised_address, live_groups,
+                                               parse_address, wait_reachable)
+
+HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
+hosts = st.from_regex(r"[a-z][a-z0-9.-]{0,20}", fullmatch=True)
+
+
+@given(lighthouse_host=hosts, port=st.integers(1, 65535), groups=st.integers(1, 64), data=st.data())
+def test_live_options_round_trip_through_the_rank_environment(lighthouse_host, port, groups, data):
+    group = data.draw(st.integers(0, groups - 1))
+    options = LiveOptions(f"{lighthouse_host}:{port}", group, groups, data.draw(st.integers(1, groups)), "10.0.0.7")
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in options.to_env().items():
+            patch.setenv(name, value)
+        back = LiveOptions.from_env()
+    assert back == options and back.host_port == (lighthouse_host, port)
+
+
+def test_live_options_are_none_outside_the_mode(monkeypatch):
+    monkeypatch.delenv("FABRICLITE_FT_LIGHTHOUSE", raising=False)
+    assert LiveOptions.from_env() is None
+
+
+@given(host=hosts, port=st.integers(1, 65535))
+def test_parse_address_reads_host_and_port(host, port):
+    assert parse_address(f"{host}:{port}", "--lighthouse") == (host, port)
+    assert parse_address(f"[::1]:{port}", "--lighthouse") == ("::1", port)
+
+
+@pytest.mark.parametrize("bad", ["host", "host:", ":80", "host:0", "host:70000", "host:http"])
+def test_parse_address_names_the_flag_and_the_form(bad):
+    with pytest.raises(ValueError, match=rf"--lighthouse '{bad}': expected HOST:PORT"):
+        parse_address(bad, "--lighthouse")
+
+
+def test_live_groups_reads_torchft_0_2s_status_page():
+    # the page torchft 0.2.0's lighthouse served for one heartbeat (copied from a real run), plus other units
+    page = """<h2>Heartbeats</h2>\n<ul>\n  <li class="heartbeat\n    \n  ">\n    group_2:abc: seen 1.352519704s ago
+  </li>\n  <li class="heartbeat">group_0:d-e: seen 350.5ms ago</li>\n  <li>group_1:f: seen 12µs ago</li>\n</ul>"""
+    assert live_groups(page, 1.0) == ["group_0:d-e", "group_1:f"]
+    assert live_groups(page, 2.0) == ["group_2:abc", "group_0:d-e", "group_1:f"]
+    assert live_groups("<ul></ul>", 1.0) == []
+
+
+def test_advertised_address_is_loopback_for_a_local_lighthouse():
+    for host in ("127.0.0.1", "localhost", "127.0.1.1"):
+        assert advertised_address(host) == "127.0.0.1"
+
+
+def test_wait_reachable_names_the_lighthouse_after_the_timeout():
+    with pytest.raises(LighthouseError, match=r"could not reach the lighthouse at 127.0.0.1:1 within \d+ s "
+                                              r"\(timeout 1 s\)"):
+        wait_reachable("127.0.0.1", 1, timedelta(seconds=1))
+
+
+def run_cli(capsys, *args: str) -> tuple:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", *args, __file__])
+    lines = capsys.readouterr().err.strip().splitlines()
+    return exit_info.value.code, lines[-1]
+
+
+@pytest.mark.skipif(HAS_TORCHFT, reason="checks the refusal where torchft is missing (the core suite's venv)")
+def test_fault_tolerant_without_torchft_is_one_line_naming_the_extra(capsys):
+    code, line = run_cli(capsys, "--fault-tolerant", "--num-nodes", "2")
+    assert code == 2
+    assert line == ("fabriclite run: error: --fault-tolerant needs torchft, which is not installed: pip install "
+                    "'fabriclite[ft]' (torchft 0.2.0 and its pinned requirements).")
+
+
+@pytest.mark.skipif(HAS_TORCHFT, reason="checks the refusal where torchft is missing (the core suite's venv)")
+def test_fabric_strategy_fault_tolerant_without_torchft_names_the_extra(no_launch_env):
+    with pytest.raises(ValueError, match=r"strategy='fault_tolerant' needs torchft.*fabriclite\[ft\]"):
+        Fabric(strategy="fault_tolerant", accelerator="cpu", devices=1)
+
+
+@pytest.mark.parametrize("flag", [["--min-replicas", "2"], ["--lighthouse", "h:1"]])
+def test_live_flags_without_fault_tolerant_are_refused(capsys, flag):
+    code, line = run_cli(capsys, *flag)
+    assert code == 2 and line == f"fabriclite run: error: {flag[0]} needs --fault-tolerant."
+
+
+@given(groups=st.integers(1, 16), data=st.data())
+def test_data_is_sharded_by_replica_group(groups, data):
+    from fabriclite.strategies.fault_tolerant import FaultTolerantStrategy
+
+    group = data.draw(st.integers(0, groups - 1))
+    strategy = FaultTolerantStrategy()
+    strategy.options = LiveOptions("127.0.0.1:1", group, groups)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": groups, "rank": group}  # one rank per group
