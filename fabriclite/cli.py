@@ -21,7 +21,7 @@ from fabriclite.supervision.preemption import PreemptOptions, parse_grace
 from fabriclite.supervision.restarts import MAX_RESTARTS_ENV, RestartPolicy, parse_max_restarts, parse_seconds
 from fabriclite.launchers.subprocess_script import run_supervised
 from fabriclite.supervision.stopping import exit_process
-from fabriclite.supervision.supervisor import NodeLayout
+from fabriclite.supervision.node_layout import NodeLayout
 from fabriclite.distributed.rendezvous import resolve_timeout
 from fabriclite.strategies import STRATEGIES
 

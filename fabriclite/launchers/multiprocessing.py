@@ -17,7 +17,8 @@ from fabriclite.supervision.rank_child import watch_supervisor, write_error_file
 from fabriclite.supervision.output_forwarding import OutputOptions, redirect_output
 from fabriclite.supervision.preemption import EXIT_PREEMPTED, PreemptOptions
 from fabriclite.supervision.stopping import print_summary
-from fabriclite.supervision.supervisor import JobFailed, NodeLayout, Supervisor
+from fabriclite.supervision.node_layout import NodeLayout
+from fabriclite.supervision.supervisor import JobFailed, Supervisor
 
 
 class ProcessWorker:

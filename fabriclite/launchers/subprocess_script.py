@@ -20,7 +20,8 @@ from fabriclite.supervision.output_forwarding import OutputOptions
 from fabriclite.supervision.preemption import PreemptOptions
 from fabriclite.supervision.restarts import RestartPolicy
 from fabriclite.supervision.stopping import exit_process, print_summary
-from fabriclite.supervision.supervisor import NodeLayout, Supervisor
+from fabriclite.supervision.node_layout import NodeLayout
+from fabriclite.supervision.supervisor import Supervisor
 
 
 class PopenWorker:

@@ -27,9 +27,8 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Protocol, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from fabriclite.distributed import rendezvous
 from fabriclite.environments.fabriclite_env import child_env
@@ -38,6 +37,7 @@ from fabriclite.supervision.failures import Failure, remote_is_root, root_cause,
 from fabriclite.supervision.output_forwarding import OutputOptions
 from fabriclite.supervision.lighthouse import Lighthouse, LiveOptions, wait_reachable
 from fabriclite.supervision.linger import leave
+from fabriclite.supervision.node_layout import NodeLayout, Worker
 from fabriclite.supervision.preemption import EXIT_PREEMPTED, PreemptOptions, Preemption, stop_marker
 from fabriclite.supervision.reaper import Reaper
 from fabriclite.supervision.restarts import MAX_RESTARTS_ENV, RestartPolicy, run_rounds
@@ -50,29 +50,6 @@ SECONDARY_WAIT_S = 1.0
 RAISED_GRACE_S = 0.25
 REMOTE_POLL_S = 0.5
 DEFAULT_MULTI_NODE_PORT = 29500
-
-
-class Worker(Protocol):
-    pid: int
-
-    def poll(self) -> Optional[int]:
-        """None while running, else the exit code (negative: killed by that signal)."""
-
-
-@dataclass(frozen=True)
-class NodeLayout:
-    """Where this node's ranks sit in the job."""
-
-    num_nodes: int
-    node_rank: int
-    local_world_size: int
-
-    @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.local_world_size
-
-    def global_rank(self, local_rank: int) -> int:
-        return self.node_rank * self.local_world_size + local_rank
 
 
 class JobFailed(RuntimeError):

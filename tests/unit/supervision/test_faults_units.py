@@ -225,7 +225,8 @@ def test_a_store_that_is_gone_reads_as_a_failure() -> None:
 
 
 def test_a_signal_ends_the_wait_for_node_0s_store() -> None:
-    from fabriclite.supervision.supervisor import NodeLayout, Supervisor
+    from fabriclite.supervision.node_layout import NodeLayout
+    from fabriclite.supervision.supervisor import Supervisor
 
     supervisor = Supervisor(NodeLayout(num_nodes=2, node_rank=1, local_world_size=1), "127.0.0.1", free_port(),
                             timedelta(seconds=60), report=False)
@@ -250,7 +251,8 @@ def test_ranks_that_ignore_sigterm_are_killed_and_named(tmp_path) -> None:
 
     from fabriclite.supervision.output_forwarding import OutputOptions
     from fabriclite.launchers.subprocess_script import PopenWorker
-    from fabriclite.supervision.supervisor import NodeLayout, Supervisor
+    from fabriclite.supervision.node_layout import NodeLayout
+    from fabriclite.supervision.supervisor import Supervisor
 
     ignoring = str(tmp_path / "rank1-ignores-sigterm")  # rank 0 fails only once rank 1 ignores SIGTERM (on a loaded
     code = ("import os, signal, time\n"  # machine rank 0 could otherwise fail before rank 1 got that far)
