@@ -44,8 +44,10 @@ from fabriclite.supervision.restarts import MAX_RESTARTS_ENV, RestartPolicy, run
 from fabriclite.supervision.stopping import kill_group, print_summary, reap
 
 POLL_S = 0.05
-#: how long to wait for the root cause when only ranks that lost a peer have been seen failing
-SECONDARY_WAIT_S = 1.0
+#: how long to wait for the root cause while only ranks that lost a peer were seen failing: the peer is exiting, which
+#: can take its teardown's 2 s bound on gloo's workers plus a loaded interpreter's exit (at 1 s, a load-20 run named
+#: the lost-peer rank as the cause). It ends as soon as a real cause is seen here or on another node.
+SECONDARY_WAIT_S = 5.0
 #: how long a rank that raised may take to exit by itself before it counts as failed anyway
 RAISED_GRACE_S = 0.25
 REMOTE_POLL_S = 0.5
@@ -298,14 +300,19 @@ class Supervisor:
 
     def _collect_more(self, running: Dict[int, Worker], failures: List[Failure]) -> None:
         """Give ranks that failed at nearly the same time a moment to be seen too; longer (up to
-        SECONDARY_WAIT_S) while every failure seen only reports a lost peer."""
+        SECONDARY_WAIT_S) while every failure seen only reports a lost peer and no other node published one."""
         start = time.monotonic()
         while running:
             time.sleep(POLL_S)
             self._poll(running, failures)
             waited = time.monotonic() - start
-            if waited >= 0.1 and (waited >= SECONDARY_WAIT_S or not all(f.secondary for f in failures)):
+            if waited >= 0.1 and (waited >= SECONDARY_WAIT_S or not all(f.secondary for f in failures)
+                                  or self._remote_failed()):
                 return
+
+    def _remote_failed(self) -> bool:
+        """Whether another node published a failure (the cause a lost peer here may be reporting)."""
+        return self.layout.num_nodes > 1 and rendezvous.read_failure(self._store) is not None
 
     def _fail(self, failures: List[Failure]) -> int:
         remote = rendezvous.read_failure(self._store) if self.layout.num_nodes > 1 else None
