@@ -162,7 +162,7 @@ def _prepare_consolidate(args: argparse.Namespace) -> Tuple[str, str]:
 
 
 def _consolidate(folder: str, output: str) -> None:
-    from fabriclite.checkpoint.saving import atomic_save
+    from fabriclite.checkpoint.atomic import atomic_save
     from fabriclite.checkpoint.dcp import consolidate
 
     try:

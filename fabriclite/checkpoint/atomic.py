@@ -28,43 +28,34 @@ def tmp_name(parent: str, name: str, tmp_tag: str, unique: str) -> str:
     return os.path.join(parent, f".{name}.tmp-{tmp_tag + '-' if tmp_tag else ''}{unique}")
 
 
-def publish(strategy: Any, path: PathLike, write: Callable[[str], None], directory: bool,
-            tmp_tag: str = "") -> None:
-    """The atomic protocol (module docstring): ``write(tmp)`` fills a temporary path beside ``path`` (every rank
-    writes into a temporary directory; only global rank 0 writes a file), then, once every rank is done, rank 0
-    swaps it in. Every rank returns when ``path`` holds the complete checkpoint, and raises if any rank's
-    write raised (nothing is swapped in then, and the temporary is removed)."""
+def publish(strategy: Any, path: PathLike, write: Callable[[str], None], tmp_tag: str = "") -> None:
+    """The atomic protocol for a directory every rank writes into (module docstring): ``write(tmp)`` fills a
+    temporary directory beside ``path`` on every rank, then, once every rank is done, rank 0 swaps it in. Every
+    rank returns when ``path`` holds the complete checkpoint, and raises if any rank's write raised (nothing is
+    swapped in then, and the temporary is removed). One-file checkpoints go through the strategy's CheckpointIO
+    instead (``TorchCheckpointIO`` writes with ``atomic_save``)."""
     path = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(path)
-    if directory:
-        token = strategy.broadcast_object(secrets.token_hex(4) if strategy.is_global_zero else None, 0)
-        tmp = tmp_name(parent, name, tmp_tag, token)
-        error: Optional[BaseException] = None
-        try:
-            os.makedirs(parent, exist_ok=True)
-            write(tmp)
-        except BaseException as err:  # noqa: BLE001 - every rank must hear of it
-            if not isinstance(err, Exception) and type(err).__name__ != "CheckpointException":
-                raise  # KeyboardInterrupt, SystemExit (torch.distributed.checkpoint's errors are BaseExceptions)
-            error = err
-        outcomes = strategy.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-        failed = {rank: msg for rank, msg in enumerate(outcomes) if msg is not None}
-        if failed:
-            if strategy.is_global_zero:
-                _remove(tmp)
-            if error is not None:
-                raise error
-            raise RuntimeError(f"Saving {path} failed on rank(s) {sorted(failed)}: {failed}; nothing was written.")
+    token = strategy.broadcast_object(secrets.token_hex(4) if strategy.is_global_zero else None, 0)
+    tmp = tmp_name(parent, name, tmp_tag, token)
+    error: Optional[BaseException] = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        write(tmp)
+    except BaseException as err:  # noqa: BLE001 - every rank must hear of it
+        if not isinstance(err, Exception) and type(err).__name__ != "CheckpointException":
+            raise  # KeyboardInterrupt, SystemExit (torch.distributed.checkpoint's errors are BaseExceptions)
+        error = err
+    outcomes = strategy.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    failed = {rank: msg for rank, msg in enumerate(outcomes) if msg is not None}
+    if failed:
+        if strategy.is_global_zero:
+            remove_path(tmp)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"Saving {path} failed on rank(s) {sorted(failed)}: {failed}; nothing was written.")
     with collectives.rank_zero_first(strategy):
         if strategy.is_global_zero:
-            if not directory:
-                os.makedirs(parent, exist_ok=True)
-                tmp = tmp_name(parent, name, tmp_tag, f"{os.getpid()}-{secrets.token_hex(4)}")
-                try:
-                    write(tmp)
-                except BaseException:
-                    _remove(tmp)
-                    raise
             swap_in(tmp, path)
 
 
@@ -84,7 +75,7 @@ def swap_in(tmp: str, path: str) -> None:
     os.rename(tmp, path)
     _fsync_dir(parent)
     if aside is not None:
-        _remove(aside)
+        remove_path(aside)
 
 
 def recover(strategy: Any, path: PathLike) -> None:
@@ -119,27 +110,55 @@ def atomic_save(obj: Any, path: PathLike, tmp_tag: str = "") -> None:
         write_file(obj, tmp)
         swap_in(tmp, path)
     except BaseException:
-        _remove(tmp)
+        remove_path(tmp)
         raise
 
 
 def write_file(obj: Any, tmp: str) -> None:
-    """``torch.save(obj)`` into the new file ``tmp``, flushed and fsynced (it must not exist)."""
+    """``torch.save(obj)`` into the new file ``tmp``, flushed and fsynced (it must not exist). An OSError of the
+    writes (a full disk, a file-size limit) is raised as itself (torch.save would report a bare position
+    mismatch)."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     with os.fdopen(fd, "wb") as f:
-        torch.save(obj, f)
+        writer = _Writes(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
 
 
-def _remove(path: str) -> None:
+class _Writes:
+    """A file's ``write`` that keeps the OSError it raised (torch.save replaces it with its own message)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: Optional[OSError] = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def remove_path(path: str) -> bool:
+    """Delete the file or directory tree at ``path``; False when there was nothing."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
-        return
+        return True
     try:
         os.unlink(path)
     except FileNotFoundError:
-        pass
+        return False
+    return True
 
 
 def _fsync_dir(directory: str) -> None:
@@ -155,4 +174,4 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-__all__ = ["atomic_save", "publish", "recover", "swap_in", "tmp_name", "write_file"]
+__all__ = ["atomic_save", "publish", "recover", "remove_path", "swap_in", "tmp_name", "write_file"]

@@ -8,8 +8,9 @@ by rank 0. This is what Lightning's ModelParallelStrategy (FSDP2) writes and rea
 Full: one ``torch.save`` file on rank 0; modules as full state_dicts, optimizers as full state keyed by parameter
 name (Lightning's FSDP full format). Files whose optimizer state is keyed by index (DDP's) load too.
 
-Writing goes through ``fabriclite.checkpoint.saving``'s atomic protocol: ``ShardedWriter.write(tmp)`` fills a temporary
-directory on every rank; the checkpoint module swaps it in.
+Writing goes through ``fabriclite.checkpoint.atomic``'s protocol: ``ShardedWriter.write(tmp)`` fills a temporary
+directory on every rank, then rank 0 swaps it in (``fabriclite.checkpoint.async_save`` does the same in the
+background, through torch.distributed.checkpoint's ``async_save``).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 from torch import nn
 from torch.optim import Optimizer
+
+from fabriclite.checkpoint.atomic import write_file
 
 METADATA_FILENAME = "meta.pt"
 DCP_METADATA = ".metadata"
@@ -148,8 +151,12 @@ class ShardedWriter:
 
         os.makedirs(directory, exist_ok=True)
         dcp.save(self.tensors, checkpoint_id=directory, no_dist=self.no_dist)
+        self.write_metadata(self.metadata, directory)
+
+    def write_metadata(self, metadata: Dict[str, Any], directory: str) -> None:
+        """``meta.pt`` (``metadata``) into ``directory``, flushed and fsynced; on global rank 0 only."""
         if self.is_global_zero:
-            torch.save(self.metadata, os.path.join(directory, METADATA_FILENAME))
+            write_file(metadata, os.path.join(directory, METADATA_FILENAME))
 
 
 def _stateful(obj: Any) -> bool:
