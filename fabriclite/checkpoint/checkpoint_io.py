@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Dict, Optional, Union
 
@@ -104,7 +105,7 @@ class TorchCheckpointIO(CheckpointIO):
                     return torch.load(f, map_location=map_location, weights_only=weights_only)
             return torch.load(target, map_location=map_location, weights_only=weights_only)
         except pickle.UnpicklingError as err:
-            if "Weights only load failed" in str(err):
+            if "Unsupported global" in str(err):  # weights_only refused a class: torch's message says what to do
                 raise
             raise CorruptCheckpointError(target, _describe(err)) from err
         except (RuntimeError, EOFError, OSError, KeyError, ValueError, UnicodeDecodeError, IndexError) as err:
@@ -129,7 +130,9 @@ def _upload(checkpoint: Dict[str, Any], url: str) -> None:
 
 
 def _describe(err: BaseException) -> str:
-    text = str(err).split("\n")[0][:200] or repr(err)
+    found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(err))  # torch's weights_only wrapping
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = (found.group(1) if found else lines[0] if lines else repr(err))[:200].rstrip(".")
     return (f"{type(err).__name__}: {text}. The file is truncated, damaged or not a file torch.save wrote; load an "
             "older checkpoint (fabric.load_latest falls back to one by itself).")
 

@@ -51,7 +51,8 @@ def load_latest(strategy: Any, directory: PathLike, load: Callable[[str], Any]) 
             if reason is None:
                 return path
         if strategy.is_global_zero:
-            warnings.warn(f"load_latest: skipping the checkpoint {path}: {reason}. Trying an older one.", stacklevel=3)
+            warnings.warn(f"load_latest: skipping the checkpoint {path}: {reason.rstrip('.')}. Trying an older one.",
+                          stacklevel=3)
         tried.append((path, reason))
     if tried:
         raise NoLoadableCheckpointError(directory, tried)

@@ -87,7 +87,7 @@ def test_disable_possible_user_warnings():
 
 
 def test_rank_from_env_reads_lightnings_variables_in_order(monkeypatch):
-    from fabriclite.utilities.rank_zero import rank_from_env
+    from fabriclite.compat.rank_zero_env import rank_from_env
 
     for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
         monkeypatch.delenv(var, raising=False)
