@@ -108,19 +108,9 @@ class AsyncCheckpointIO(CheckpointIO):
         if isinstance(checkpoint_io, AsyncCheckpointIO):
             raise TypeError("AsyncCheckpointIO(checkpoint_io=AsyncCheckpointIO(...)): wrap the plugin that writes "
                             "(one background thread is enough).")
-        self._checkpoint_io = checkpoint_io
+        #: the wrapped plugin that does the writing
+        self.checkpoint_io: CheckpointIO = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
         self._inflight = InFlight()
-
-    @property
-    def checkpoint_io(self) -> CheckpointIO:
-        """The wrapped plugin that does the writing."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = TorchCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: PathLike, storage_options: Optional[Any] = None) -> None:
         """Wait for the save in flight (raising its error), snapshot ``checkpoint``, write it in the background."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -14,6 +15,33 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "restart_script.py")
 DEADLINE_S = 240
+
+
+def start(flags: List[str], env: Dict[str, str], script: str = SCRIPT) -> subprocess.Popen:
+    """`fabriclite run` of ``script`` on 2 ranks, started (its output read by ``signal_when`` / ``finish``)."""
+    return subprocess.Popen(_command(flags, script), env=_env({"PYTHONUNBUFFERED": "1", **env}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def signal_when(proc: subprocess.Popen, marker: str, sig: int) -> str:
+    """Read ``proc``'s stdout until a line holds ``marker`` (an event from the ranks), then send ``sig`` to the
+    supervisor; the output read so far."""
+    seen = []
+    deadline = time.monotonic() + DEADLINE_S
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            proc.send_signal(sig)
+            return "".join(seen)
+        assert time.monotonic() < deadline, "".join(seen)
+    raise AssertionError(f"the job ended before {marker!r}: {''.join(seen)} {proc.stderr.read() if proc.stderr else ''}")
+
+
+def finish(proc: subprocess.Popen) -> tuple:
+    """``(exit code, rest of stdout, stderr)`` once ``proc`` ended."""
+    out, err = proc.communicate(timeout=DEADLINE_S)
+    return proc.returncode, out, err
 
 
 def _command(flags: List[str], script: str) -> List[str]:

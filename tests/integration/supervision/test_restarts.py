@@ -1,6 +1,7 @@
 """Restarts under `fabriclite run --max-restarts N`, with real processes on 2 ranks: a rank killed mid-epoch or
-inside a save is restarted and the run ends with the weights of an uninterrupted run, bit for bit; restarts
-used up fail naming the last failure; a failure in a restart's rendezvous counts as a round; bad flags."""
+inside a save is restarted and the run ends with the weights of an uninterrupted run, bit for bit (with
+synchronous saves, and with asynchronous ones: AsyncCheckpointIO); restarts used up fail naming the last failure;
+a failure in a restart's rendezvous counts as a round; bad flags."""
 from __future__ import annotations
 
 import json
@@ -26,7 +27,8 @@ BAD_FLAGS = [
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
     """Every job of this module at once (and the uninterrupted reference run if no test made it yet): name ->
     (CompletedProcess, its directory)."""
-    names = ("kill", "save", "used_up", "rendezvous", "reference", *(f"bad_{i}" for i in range(len(BAD_FLAGS))))
+    names = ("kill", "save", "kill_async", "save_async", "used_up", "rendezvous", "reference",
+             *(f"bad_{i}" for i in range(len(BAD_FLAGS))))
     tmp = {name: tmp_path_factory.mktemp(name) for name in names}
 
     def job(name, flags, **env):
@@ -35,6 +37,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
     specs = {
         "kill": job("kill", ["--max-restarts", "2"], KILL_AT="13:1"),
         "save": job("save", ["--max-restarts", "1"], KILL_IN_SAVE="15"),
+        "kill_async": job("kill_async", ["--max-restarts", "2"], KILL_AT="13:1", ASYNC="1"),
+        "save_async": job("save_async", ["--max-restarts", "1"], KILL_IN_SAVE="15", ASYNC="1"),  # in the background
         "used_up": job("used_up", ["--max-restarts", "1"], KILL_AT="3:1", KILL_ALWAYS="1", STEPS="6"),
         "rendezvous": job("rendezvous", ["--max-restarts", "2"], KILL_AT="3:0", FAIL_EARLY="1:1", STEPS="6"),
         **{f"bad_{i}": job(f"bad_{i}", flags) for i, (flags, _) in enumerate(BAD_FLAGS)},  # with the others
@@ -55,8 +59,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
     return {name: (result, tmp[name]) for name, result in done.items()}
 
 
-def test_a_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_weights(jobs):
-    done, tmp_path = jobs["kill"]
+@pytest.mark.parametrize("saves", ["", "_async"], ids=["sync", "async"])
+def test_a_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_weights(jobs, saves):
+    done, tmp_path = jobs["kill" + saves]
     assert done.returncode == 0, done.stderr
     err = done.stderr
     assert "rank 1 (local rank 1, node 0) was killed by SIGKILL" in err  # the failure, printed when it happened
@@ -70,8 +75,9 @@ def test_a_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_we
     assert len({e["run_id"] for e in kept}) == 1  # one run id across the rounds
 
 
-def test_a_rank_killed_inside_a_save_is_restarted_and_ends_with_the_uninterrupted_weights(jobs):
-    done, tmp_path = jobs["save"]
+@pytest.mark.parametrize("saves", ["", "_async"], ids=["sync", "async"])
+def test_a_rank_killed_inside_a_save_is_restarted_and_ends_with_the_uninterrupted_weights(jobs, saves):
+    done, tmp_path = jobs["save" + saves]
     assert done.returncode == 0, done.stderr
     assert "rank 0 (local rank 0, node 0) was killed by SIGKILL" in done.stderr
     assert "ROUND 1 resumed from step-0010.ckpt at step 10" in done.stdout  # the half-written 15 never counted
