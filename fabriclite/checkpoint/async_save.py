@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from fabriclite.checkpoint import integrity
-from fabriclite.checkpoint.atomic import remove_path, swap_in, tmp_name
+from fabriclite.checkpoint.atomic import raise_failure, remove_path, swap_in, tmp_name
 from fabriclite.checkpoint.checkpoint_io import CheckpointIO, PathLike, TorchCheckpointIO
 
 #: what runs once a checkpoint is complete on every rank (global rank 0): its files' digests -> None
@@ -174,14 +174,17 @@ class AsyncShardedSaves:
         on rank 0) once every rank's part is written."""
         from torch.distributed import checkpoint as dcp
 
+        from fabriclite.checkpoint.dcp import storage_writer
+
         self._inflight.wait()
         group = self._background_group(strategy)
         parent, name = os.path.split(path)
         token = strategy.broadcast_object(secrets.token_hex(4) if strategy.is_global_zero else None, 0)
         tmp = tmp_name(parent, name, tmp_tag, token)
         os.makedirs(tmp, exist_ok=True)
-        future = dcp.async_save(writer.tensors, checkpoint_id=tmp, process_group=group,
-                                no_dist=strategy.world_size == 1)
+        dcp_writer, write_errors = storage_writer(tmp)
+        future = dcp.async_save(writer.tensors, checkpoint_id=tmp, storage_writer=dcp_writer, process_group=group,
+                                no_dist=strategy.world_size == 1)  # the shard is copied (staged) before it returns
         metadata = snapshot(writer.metadata) if strategy.is_global_zero else {}
         rank, world = strategy.global_rank, strategy.world_size
 
@@ -189,33 +192,36 @@ class AsyncShardedSaves:
             error: Optional[BaseException] = None
             mine: Dict[str, Dict[str, Any]] = {}
             try:
-                future.result()
+                try:
+                    future.result()
+                except BaseException as err:  # noqa: BLE001 - DCP's errors are BaseExceptions
+                    write_errors.raise_recorded(path, err)
+                    raise
                 writer.write_metadata(metadata, tmp)
                 if on_complete is not None:
                     names = integrity.files_of(parent, os.path.basename(tmp))
                     mine = {_renamed(rel, name): d for rel, d in integrity.digests(parent, names, rank, world).items()}
             except BaseException as err:  # noqa: BLE001 - every rank must hear of it
                 error = err
-            outcomes = _all_gather(group, world, None if error is not None else mine,
-                                   None if error is None else f"{type(error).__name__}: {error}")
-            failed = {r: msg for r, (_, msg) in enumerate(outcomes) if msg is not None}
+            gathered = _all_gather(group, world, (mine, None if error is None else (
+                f"{type(error).__name__}: {error}", isinstance(error, OSError))))
+            outcomes = [outcome for _, outcome in gathered]
             final: Optional[str] = None
             if rank == 0:
-                if failed:
+                if any(outcomes):
                     remove_path(tmp)
-                    final = f"rank(s) {sorted(failed)} failed: {failed}"
                 else:
                     try:
                         swap_in(tmp, path)
                         if on_complete is not None:
-                            on_complete({k: v for files, _ in outcomes for k, v in (files or {}).items()})
-                    except BaseException as err:  # noqa: BLE001
+                            on_complete({k: v for files, _ in gathered for k, v in files.items()})
+                    except BaseException as err:  # noqa: BLE001 - every rank must hear of it
                         final = f"{type(err).__name__}: {err}"
             final = _broadcast(group, world, final)
-            if error is not None:
-                raise error
+            if any(outcomes):
+                raise_failure(path, outcomes, error)
             if final is not None:
-                raise RuntimeError(final)
+                raise RuntimeError(f"every rank wrote its part of {path}, then rank 0 failed: {final}")
 
         self._inflight.start(job, path)
 
@@ -229,13 +235,13 @@ def _renamed(relative: str, name: str) -> str:
     return name + "/" + relative.split("/", 1)[1]
 
 
-def _all_gather(group: Any, world: int, files: Any, error: Optional[str]) -> List[Any]:
+def _all_gather(group: Any, world: int, value: Any) -> List[Any]:
     if world == 1:
-        return [(files, error)]
+        return [value]
     import torch.distributed as dist
 
     out: List[Any] = [None] * world
-    dist.all_gather_object(out, (files, error), group=group)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 

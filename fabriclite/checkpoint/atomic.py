@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
@@ -46,17 +46,27 @@ def publish(strategy: Any, path: PathLike, write: Callable[[str], None], tmp_tag
         if not isinstance(err, Exception) and type(err).__name__ != "CheckpointException":
             raise  # KeyboardInterrupt, SystemExit (torch.distributed.checkpoint's errors are BaseExceptions)
         error = err
-    outcomes = strategy.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-    failed = {rank: msg for rank, msg in enumerate(outcomes) if msg is not None}
-    if failed:
+    outcomes = strategy.all_gather_object(None if error is None else (f"{type(error).__name__}: {error}",
+                                                                       isinstance(error, OSError)))
+    if any(outcomes):
         if strategy.is_global_zero:
             remove_path(tmp)
-        if error is not None:
-            raise error
-        raise RuntimeError(f"Saving {path} failed on rank(s) {sorted(failed)}: {failed}; nothing was written.")
+        raise_failure(path, outcomes, error)
     with collectives.rank_zero_first(strategy):
         if strategy.is_global_zero:
             swap_in(tmp, path)
+
+
+def raise_failure(path: str, outcomes: List[Optional[Tuple[str, bool]]], error: Optional[BaseException]) -> None:
+    """Raise, on a rank of a failed save: its own OSError (a full disk: it names the path and the cause), else
+    its own error when no rank had an OSError, else one naming every failed rank and its error. ``outcomes``: every
+    rank's ``(message, is an OSError)`` or None."""
+    failed = {rank: outcome[0] for rank, outcome in enumerate(outcomes) if outcome is not None}
+    os_errors = {rank: outcome[0] for rank, outcome in enumerate(outcomes) if outcome is not None and outcome[1]}
+    if isinstance(error, OSError) or (error is not None and not os_errors):
+        raise error
+    raise RuntimeError(f"Saving {path} failed on rank(s) {sorted(failed)}: {os_errors or failed}; nothing was "
+                       "written, the previous checkpoint at that path (if any) is intact.") from error
 
 
 def swap_in(tmp: str, path: str) -> None:
@@ -120,33 +130,53 @@ def write_file(obj: Any, tmp: str) -> None:
     mismatch)."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     with os.fdopen(fd, "wb") as f:
-        writer = _Writes(f)
+        writes = WriteErrors()
         try:
-            torch.save(obj, writer)
+            torch.save(obj, writes.wrap(f))
         except RuntimeError:
-            if writer.error is not None:
-                raise writer.error from None
+            if writes.first is not None:
+                raise writes.first from None
             raise
         f.flush()
         os.fsync(f.fileno())
 
 
-class _Writes:
-    """A file's ``write`` that keeps the OSError it raised (torch.save replaces it with its own message)."""
+class WriteErrors:
+    """Streams wrapped by ``wrap`` keep the first OSError a ``write`` raised: ``torch.save`` (also inside
+    torch.distributed.checkpoint) replaces it with ``unexpected pos N vs M``, which names neither the file nor the
+    cause."""
 
-    def __init__(self, f: Any) -> None:
-        self._f = f
-        self.error: Optional[OSError] = None
+    def __init__(self) -> None:
+        self.first: Optional[OSError] = None
+        self.path = ""
+
+    def wrap(self, stream: Any, path: str = "") -> Any:
+        return _Recording(stream, self, path)
+
+    def raise_recorded(self, path: str, err: BaseException) -> None:
+        """If a write failed with an OSError: raise it again, naming ``path`` and the cause (``err`` chained)."""
+        if self.first is not None:
+            first = self.first
+            raise OSError(first.errno, f"Saving the checkpoint {path} failed: {first.strerror or first}"
+                                       f"{f' (writing {self.path})' if self.path else ''}") from err
+
+
+class _Recording:
+    """A stream whose ``write`` records its OSError in ``errors``; everything else is the stream's."""
+
+    def __init__(self, stream: Any, errors: WriteErrors, path: str) -> None:
+        self._stream, self._errors, self._path = stream, errors, path
 
     def write(self, data: Any) -> int:
         try:
-            return self._f.write(data)
+            return self._stream.write(data)
         except OSError as err:
-            self.error = err
+            if self._errors.first is None:
+                self._errors.first, self._errors.path = err, self._path
             raise
 
-    def flush(self) -> None:
-        self._f.flush()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def remove_path(path: str) -> bool:
@@ -174,4 +204,5 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-__all__ = ["atomic_save", "publish", "recover", "remove_path", "swap_in", "tmp_name", "write_file"]
+__all__ = ["WriteErrors", "atomic_save", "publish", "raise_failure", "recover", "remove_path", "swap_in", "tmp_name",
+           "write_file"]

@@ -155,6 +155,7 @@ TWO_WRITERS = """
     directory, go, saves = sys.argv[1], sys.argv[2], int(sys.argv[3])
     fabric = Fabric(accelerator="cpu", devices=1)
     tensor = torch.full((4096,), float(len(os.environ["FABRICLITE_RUN_ID"])))
+    print("READY", flush=True)
     while not os.path.exists(go):  # both jobs start their saves together
         time.sleep(0.001)
     started = time.time()
@@ -171,7 +172,8 @@ def test_two_jobs_saving_into_one_directory_lose_no_entry_and_delete_only_their_
     procs = {rid: subprocess.Popen([sys.executable, str(script), str(directory), str(go), str(saves)],
                                    env={**env, "FABRICLITE_RUN_ID": rid}, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True) for rid in ("jobA", "jobBB")}
-    time.sleep(0.5)
+    for proc in procs.values():  # both imported torch and made their Fabric
+        assert proc.stdout is not None and proc.stdout.readline() == "READY\n"
     go.touch()
     windows = {}
     for rid, proc in procs.items():
