@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Dict, Mapping, Optional, Union
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 

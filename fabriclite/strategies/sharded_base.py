@@ -96,7 +96,9 @@ class ShardedStrategy(DDPStrategy):
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO) -> None:
-        raise NotImplementedError(f"The `{type(self).__name__}` does not support setting a `CheckpointIO` plugin.")
+        hint = (f" For saves in the background pass {type(self).__name__}(async_save=True)."
+                if isinstance(io, AsyncCheckpointIO) else "")
+        raise NotImplementedError(f"The `{type(self).__name__}` does not support setting a `CheckpointIO` plugin.{hint}")
 
     @property
     def file_checkpoint_io(self) -> CheckpointIO:

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-import torch
 
 from faults_harness import living
 from restart_harness import DEADLINE_S, SCRIPT, finish, run_many, same, signal_when, start, weights
@@ -130,6 +129,7 @@ def test_preemption_waits_for_the_save_in_flight_and_a_second_signal_does_not(tm
     signalled = time.monotonic()
     code, out, err = finish(second)
     took = time.monotonic() - signalled
+    print(f"second signal -> the supervisor's exit: {took:.2f} s")
     assert code == 138, err  # stopped at once (128 + SIGUSR1): no hang on the write in flight
     assert took < SECOND_SIGNAL_BOUND_S, f"{took:.1f} s after the second signal"
     assert _recorded(tmp_path / "second") == ["early.ckpt"] and _latest(tmp_path / "second") == ("early.ckpt", 1)
@@ -173,6 +173,7 @@ def test_node_0s_supervisor_killed_during_a_restart_leaves_nothing_and_the_newes
         seen.append(line)
         if marker in line:
             proc.kill()  # SIGKILL node 0's supervisor (it hosts the job's store)
+            killed = time.monotonic()
             break
         assert time.monotonic() < deadline, "".join(seen)
     proc.wait(timeout=60)
@@ -180,5 +181,6 @@ def test_node_0s_supervisor_killed_during_a_restart_leaves_nothing_and_the_newes
     deadline = time.monotonic() + 10  # ranks die with their supervisor (PDEATHSIG): measured < 0.5 s
     while _processes_running(script) and time.monotonic() < deadline:
         time.sleep(0.05)
+    print(f"{moment}: every process of the job gone {time.monotonic() - killed:.2f} s after the SIGKILL")
     assert not _processes_running(script), "".join(seen)
     assert _latest(tmp_path / "ckpt") == ("step-0010.ckpt", 10)  # the newest complete one, with its checksums

@@ -9,12 +9,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Dict, List
 
 import pytest
 
-from restart_harness import (REFERENCE, SCRIPT, fabriclite_run, finish, keep_reference, reference_job, same, signal_when,
-                             start, weights)
+from restart_harness import (REFERENCE, fabriclite_run, finish, keep_reference, reference_job, same, signal_when, start,
+                             weights)
+
 
 def test_sigusr1_then_the_check_preempted_save_exit_75_and_a_second_launch_give_the_uninterrupted_weights(
         tmp_path):

@@ -25,8 +25,8 @@ BAD_FLAGS = [
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
-    """Every job of this module at once (and the uninterrupted reference run if no test made it yet): name ->
-    (CompletedProcess, its directory)."""
+    """Every job of this module (and the uninterrupted reference run if no test made it yet), at once in two
+    waves: name -> (CompletedProcess, its directory)."""
     names = ("kill", "save", "kill_async", "save_async", "used_up", "rendezvous", "reference",
              *(f"bad_{i}" for i in range(len(BAD_FLAGS))))
     tmp = {name: tmp_path_factory.mktemp(name) for name in names}
@@ -37,8 +37,6 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
     specs = {
         "kill": job("kill", ["--max-restarts", "2"], KILL_AT="13:1"),
         "save": job("save", ["--max-restarts", "1"], KILL_IN_SAVE="15"),
-        "kill_async": job("kill_async", ["--max-restarts", "2"], KILL_AT="13:1", ASYNC="1"),
-        "save_async": job("save_async", ["--max-restarts", "1"], KILL_IN_SAVE="15", ASYNC="1"),  # in the background
         "used_up": job("used_up", ["--max-restarts", "1"], KILL_AT="3:1", KILL_ALWAYS="1", STEPS="6"),
         "rendezvous": job("rendezvous", ["--max-restarts", "2"], KILL_AT="3:0", FAIL_EARLY="1:1", STEPS="6"),
         **{f"bad_{i}": job(f"bad_{i}", flags) for i, (flags, _) in enumerate(BAD_FLAGS)},  # with the others
@@ -51,6 +49,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
                                    text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
                                                    "FABRICLITE_RESTART_BACKOFF": "0.05"})
     done = run_many(specs)
+    done.update(run_many({  # a second wave: ten jobs at once outlast the deadline on a loaded 2-core machine
+        "kill_async": job("kill_async", ["--max-restarts", "2"], KILL_AT="13:1", ASYNC="1"),
+        "save_async": job("save_async", ["--max-restarts", "1"], KILL_IN_SAVE="15", ASYNC="1"),  # in the background
+    }))
     out, err = script_mode.communicate(timeout=240)
     done["script_mode"] = subprocess.CompletedProcess(script_mode.args, script_mode.returncode, out, err)
     tmp["script_mode"] = tmp["kill"]

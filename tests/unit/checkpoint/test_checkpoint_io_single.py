@@ -150,6 +150,8 @@ def test_plugins_are_checked_like_lightnings(no_launch_env):
         Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(checkpoint_io=RecordingIO()), plugins=[RecordingIO()])
     with pytest.raises(NotImplementedError, match="`FSDPStrategy` does not support setting a `CheckpointIO`"):
         Fabric(accelerator="cpu", devices=2, strategy="fsdp", plugins=[RecordingIO()])
+    with pytest.raises(NotImplementedError, match=r"pass FSDPStrategy\(async_save=True\)"):
+        Fabric(accelerator="cpu", devices=2, strategy="fsdp", plugins=[AsyncCheckpointIO()])
     fsdp = FSDPStrategy()
     with pytest.raises(NotImplementedError, match="`FSDPStrategy` does not use the `CheckpointIO` plugin"):
         fsdp.checkpoint_io
