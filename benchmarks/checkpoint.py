@@ -17,8 +17,8 @@ in the same processes, each from the same initial weights and data:
 
 Per configuration (the slower rank counts): the **save call**, how long one save blocks the training loop (median
 over the saves); the **stall per save**, (wall time of the steps with saves, the wait for the last save at the end
-included, minus the wall time of as many steps without saves) / saves: what the saves cost the run, background
-work competing for the CPU included; **snapshot**: the bytes an asynchronous save copies on the rank that copies
+included, minus the mean wall time of as many steps without saves, run before and after) / saves: what the saves
+cost the run, background work competing for the CPU included; **snapshot**: the bytes an asynchronous save copies on the rank that copies
 most, and the peak RSS rise over the run's starting RSS on that rank (sampled every 5 ms); **final weights**: sha256
 of the full weights after the last step (every configuration of one strategy must give the same). Ratios: the
 asynchronous stall against the synchronous save call of the same strategy (the goal: <= 0.15).
@@ -200,6 +200,7 @@ def measure(config: str, fabric: Any, width: int, layers: int, steps: int, every
         step()  # warm-up: optimizer state allocated
         snapshot = snapshot_bytes()
         calls: List[float] = []
+        without = [steps_without_saves(fabric, step, steps)]  # before and after: drifting load hits both alike
         fabric.barrier()
         start_rss = rss_bytes()
         with PeakRSS() as peak:
@@ -214,17 +215,22 @@ def measure(config: str, fabric: Any, width: int, layers: int, steps: int, every
             with_saves = time.perf_counter() - began
         fabric.barrier()
         weights = digest(full_weights())
-        began = time.perf_counter()
-        for _ in range(steps):
-            step()
-        fabric.barrier()
-        without = time.perf_counter() - began
-        return {"calls": calls, "with": with_saves, "without": without, "snapshot": snapshot,
+        without.append(steps_without_saves(fabric, step, steps))
+        return {"calls": calls, "with": with_saves, "without": statistics.mean(without), "snapshot": snapshot,
                 "rss_rise": peak.peak - start_rss, "weights": weights}
     finally:
         fabric.barrier()
         if fabric.is_global_zero:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def steps_without_saves(fabric: Any, step: Callable[[], None], steps: int) -> float:
+    fabric.barrier()
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+    fabric.barrier()
+    return time.perf_counter() - began
 
 
 def worker(fabric: Any, width: int, layers: int, steps: int, every: int, configs: List[str]) -> List[Dict[str, Any]]:
@@ -309,7 +315,8 @@ def render(per_rank: List[Dict[str, Any]], configs: List[str], params: int, args
               f"{elapsed:.0f} s in all.\n\n")
     notes = ("\n\n" + "; ".join(peers) + "." if peers else "") + (
         "\n\nsave call: how long one save blocks the training loop (median over the saves, slower rank). stall per "
-        "save: (steps with saves, the final wait included) minus (as many steps without), per save: background work "
+        "save: (steps with saves, the final wait included) minus (as many steps without, before and after), per save: "
+        "background work "
         "competing with training for the CPU counts here. stall / sync save call: the asynchronous stall against the "
         "synchronous save call of the same strategy (goal <= 0.15). snapshot: bytes an asynchronous save copies on "
         "the rank that copies most; peak RSS rise: over the starting RSS during the run with saves (sampled every "

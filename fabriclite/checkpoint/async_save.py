@@ -2,8 +2,9 @@
 
 - One-file strategies: ``AsyncCheckpointIO(checkpoint_io=None)`` (``fabriclite.plugins.io``; the name and shape of
   Lightning Trainer's plugin) wraps another CheckpointIO (default ``TorchCheckpointIO``): ``save_checkpoint`` copies
-  every tensor of the checkpoint (``detach().clone()``, on the caller's thread, so later optimizer steps cannot leak
-  into it) and returns; a background thread runs the wrapped plugin's ``save_checkpoint``.
+  every tensor of the checkpoint (on the caller's thread, so later optimizer steps cannot leak into it; with the
+  default TorchCheckpointIO into the previous snapshot's tensors when they match, which stay allocated between
+  saves) and returns; a background thread runs the wrapped plugin's ``save_checkpoint``.
 - Sharded strategies (``FSDPStrategy(async_save=True)``, ``ModelParallelStrategy(async_save=True)``): every rank
   stages its shard with torch.distributed.checkpoint's ``async_save`` (a CPU copy, made before it returns), which
   writes it from a background thread over a gloo process group of its own (created at the first save; training's
@@ -22,7 +23,7 @@ import copy
 import os
 import secrets
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -78,13 +79,19 @@ class InFlight:
             raise error
 
 
-def snapshot(obj: Any) -> Any:
-    """A copy of ``obj`` whose tensors are detached clones (containers rebuilt, other leaves deep-copied), made
-    on this thread: nothing done to the live state later reaches it."""
-    memo: Dict[int, Any] = {}
-    for tensor in _tensors(obj):
-        memo[id(tensor)] = tensor.detach().clone()
-    return copy.deepcopy(obj, memo)
+def snapshot(obj: Any, reuse: Sequence[torch.Tensor] = ()) -> Tuple[Any, List[torch.Tensor]]:
+    """A copy of ``obj`` whose tensors are detached copies (containers rebuilt, other leaves deep-copied), made on
+    this thread: nothing done to the live state later reaches it. ``reuse``: the tensors of an earlier snapshot
+    that is no longer needed; when they match (count, shapes, dtypes, devices) they are copied into, which costs
+    no new memory and no page faults. Returns the copy and its tensors (to reuse next time)."""
+    unique = list({id(t): t for t in _tensors(obj)}.values())
+    if len(reuse) == len(unique) and all(b.shape == t.shape and b.dtype == t.dtype and b.device == t.device
+                                         and type(b) is type(t) for b, t in zip(reuse, unique)):
+        copies = [b.copy_(t.detach()) for b, t in zip(reuse, unique)]
+    else:
+        copies = [t.detach().clone() for t in unique]
+    memo: Dict[int, Any] = {id(t): c for t, c in zip(unique, copies)}
+    return copy.deepcopy(obj, memo), copies
 
 
 def _tensors(obj: Any) -> List[torch.Tensor]:
@@ -111,6 +118,7 @@ class AsyncCheckpointIO(CheckpointIO):
         #: the wrapped plugin that does the writing
         self.checkpoint_io: CheckpointIO = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
         self._inflight = InFlight()
+        self._buffers: List[torch.Tensor] = []  # the last snapshot's tensors, copied into by the next one
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: PathLike, storage_options: Optional[Any] = None) -> None:
         """Wait for the save in flight (raising its error), snapshot ``checkpoint``, write it in the background."""
@@ -123,7 +131,10 @@ class AsyncCheckpointIO(CheckpointIO):
         inner = self.checkpoint_io
         if isinstance(inner, TorchCheckpointIO):
             inner.check_storage_options(storage_options)  # its TypeError now, not in the background
-        copied = snapshot(checkpoint)
+        # fabriclite's own writer keeps no reference to what it wrote: its buffers can be copied into next time
+        reusable = type(inner) is TorchCheckpointIO
+        copied, buffers = snapshot(checkpoint, self._buffers if reusable else ())
+        self._buffers = buffers if reusable else []
 
         def job() -> None:
             inner.save_checkpoint(copied, path, storage_options=storage_options)
@@ -185,7 +196,7 @@ class AsyncShardedSaves:
         dcp_writer, write_errors = storage_writer(tmp)
         future = dcp.async_save(writer.tensors, checkpoint_id=tmp, storage_writer=dcp_writer, process_group=group,
                                 no_dist=strategy.world_size == 1)  # the shard is copied (staged) before it returns
-        metadata = snapshot(writer.metadata) if strategy.is_global_zero else {}
+        metadata = snapshot(writer.metadata)[0] if strategy.is_global_zero else {}
         rank, world = strategy.global_rank, strategy.world_size
 
         def job() -> None:

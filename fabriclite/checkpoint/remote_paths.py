@@ -99,14 +99,5 @@ def remove(path: str) -> bool:
     return True
 
 
-def listdir(path: str) -> list:
-    """The names directly under the remote ``path`` (empty when it does not exist)."""
-    fs, inner = filesystem(path)
-    try:
-        return [posixpath.basename(p.rstrip("/")) for p in fs.ls(inner, detail=False)]
-    except FileNotFoundError:
-        return []
-
-
-__all__ = ["exists", "filesystem", "is_remote", "isdir", "join", "listdir", "normalize", "read_bytes", "remove",
+__all__ = ["exists", "filesystem", "is_remote", "isdir", "join", "normalize", "read_bytes", "remove",
            "split", "write_bytes"]

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -285,3 +286,48 @@ def test_a_missing_shard_and_a_flipped_bit_fall_back_to_the_newest_sharded_check
             assert "s1: s1/__0_0.distcp does not hold the bytes that were written" in warned[1]
         else:
             assert warned == []
+
+
+# ---------------------------------------------------------------------- the sharded snapshot
+def _slow_sharded_async_save(fabric, root: str):
+    from torch.distributed.checkpoint import filesystem
+
+    fsdp = _sharded(fabric, async_save=True)
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = fsdp.setup(model, opt)
+    _step(fsdp, model, opt)
+    at_save = _full(fsdp, model)
+    real_write = filesystem._write_item
+    started = []
+
+    def slow_write(*args, **kwargs):  # the background write takes a while: the loop runs on meanwhile
+        started.append(time.monotonic())
+        time.sleep(0.3)
+        return real_write(*args, **kwargs)
+
+    filesystem._write_item = slow_write
+    try:
+        before = time.monotonic()
+        fsdp.save(os.path.join(root, "ckpt"), {"model": model, "optimizer": opt, "step": 1})
+        returned = time.monotonic()
+        _step(fsdp, model, opt)  # later optimizer steps change the live (sharded) tensors in place
+        stepped = time.monotonic()
+        _step(fsdp, model, opt)
+        _step(fsdp, model, opt)
+        fsdp.strategy.wait_for_checkpoints()
+    finally:
+        filesystem._write_item = real_write
+    fresh = _model(5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh, fresh_opt = fsdp.setup(fresh, fresh_opt)
+    fsdp.load(os.path.join(root, "ckpt"), {"model": fresh, "optimizer": fresh_opt})
+    loaded = _full(fsdp, fresh)
+    return (fsdp.global_rank != 0 or all(torch.equal(at_save[k], loaded[k]) for k in loaded),
+            returned - before, len(started), started[-1] > stepped if started else None)
+
+
+def test_a_sharded_async_save_holds_the_state_it_was_given_while_training_goes_on(pool2, tmp_path):
+    for same, save_call_s, writes, last_write_after_the_steps in pool2.run(_slow_sharded_async_save, str(tmp_path)):
+        assert same  # the three later optimizer steps did not leak into the checkpoint
+        assert writes >= 2 and last_write_after_the_steps  # the write went on after a step changed the tensors

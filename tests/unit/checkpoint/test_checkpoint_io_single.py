@@ -184,6 +184,22 @@ def test_an_async_save_returns_before_the_write_and_keeps_the_state_it_was_given
     assert names == ["a.ckpt"]
 
 
+def test_the_default_async_writer_copies_each_snapshot_into_the_last_ones_memory(tmp_path):
+    io = AsyncCheckpointIO()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model, optimizer = _setup(fabric)
+    held, expected = [], []
+    for step in range(3):
+        _step(model, optimizer)
+        fabric.save(tmp_path / f"s{step}.ckpt", {"model": model, "optimizer": optimizer})
+        expected.append(_weights(model))
+        held.append(sorted(t.data_ptr() for t in io._buffers))
+    fabric.strategy.wait_for_checkpoints()
+    assert held[0] == held[1] == held[2] and len(held[0]) == 2 + 2 * 2 + 2  # weight, bias; exp_avg(_sq), step each
+    for step in range(3):  # every file holds its own step's state, although the memory was the same
+        assert _equal(torch.load(tmp_path / f"s{step}.ckpt", weights_only=True)["model"], expected[step])
+
+
 def test_a_second_async_save_waits_for_the_first_and_load_latest_sees_the_newest(tmp_path):
     gate = threading.Event()
     inner = RecordingIO(gate)
