@@ -65,10 +65,6 @@ class InFlight:
             self._error = AsyncSaveError(path, err)
             self._error.__cause__ = err
 
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def wait(self) -> None:
         """Block until the job in flight (if any) is done; raise its AsyncSaveError."""
         if self._thread is not None:

@@ -76,7 +76,9 @@ def test_a_non_zero_rank_killed_while_writing_its_shard_resumes_from_the_previou
 def test_sharded_async_saves_keep_restarts_bit_exact(jobs):
     done, tmp = jobs["fsdp_async_kill"]
     assert done.returncode == 0, done.stderr
-    assert "ROUND 1 resumed from step-0010.ckpt at step 10" in done.stdout
+    # step 10's save may still be in flight when rank 1 dies at step 13: then the newest complete one is step 5's
+    assert ("ROUND 1 resumed from step-0010.ckpt at step 10" in done.stdout
+            or "ROUND 1 resumed from step-0005.ckpt at step 5" in done.stdout), done.stdout
     assert same(weights(str(tmp / "w.pt")), weights(str(jobs["fsdp_reference"][1] / "w.pt")))
     assert not [n for n in os.listdir(tmp / "ckpt") if ".tmp-" in n]  # round 0's temporaries were cleaned up
 
@@ -183,4 +185,6 @@ def test_node_0s_supervisor_killed_during_a_restart_leaves_nothing_and_the_newes
         time.sleep(0.05)
     print(f"{moment}: every process of the job gone {time.monotonic() - killed:.2f} s after the SIGKILL")
     assert not _processes_running(script), "".join(seen)
-    assert _latest(tmp_path / "ckpt") == ("step-0010.ckpt", 10)  # the newest complete one, with its checksums
+    newest = _recorded(tmp_path / "ckpt")[-1]  # step 10's, or step 5's if step 10's async save was cut short
+    assert newest in ("step-0005.ckpt", "step-0010.ckpt")
+    assert _latest(tmp_path / "ckpt") == (newest, int(newest[5:9]))  # it loads, its checksums hold

@@ -70,7 +70,11 @@ def test_a_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_we
     assert "restarting every rank in 0.05 s (round 1, restart 1 of 2)" in err
     assert "round 0: failed: rank 1 (local rank 1, node 0) was killed by SIGKILL" in err  # the final summary
     assert "round 1: succeeded" in err
-    assert "ROUND 1 resumed from step-0010.ckpt at step 10" in done.stdout  # step 10 is mid-epoch (8 a epoch)
+    # step 10 is mid-epoch (8 a epoch); an asynchronous save of step 10 may still be in flight when rank 1 dies at
+    # step 13: then it never counts, and the newest complete checkpoint is step 5's
+    resumed = ["ROUND 1 resumed from step-0010.ckpt at step 10"] + (
+        ["ROUND 1 resumed from step-0005.ckpt at step 5"] if saves else [])
+    assert any(line in done.stdout for line in resumed), done.stdout
     assert same(weights(str(tmp_path / "w.pt")), REFERENCE[0])
     kept = json.loads((tmp_path / "ckpt" / "fabriclite-manifest.json").read_text())["checkpoints"]
     assert [e["name"] for e in kept] == ["step-0010.ckpt", "step-0015.ckpt", "step-0020.ckpt"]
