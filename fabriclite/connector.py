@@ -14,6 +14,7 @@ import warnings
 from typing import Any, Iterable, List, Optional, Union
 
 from fabriclite.accelerators import ACCELERATORS, Accelerator, accelerator_class
+from fabriclite.checkpoint.checkpoint_io import CheckpointIO
 from fabriclite.compat.user_warnings import PossibleUserWarning
 from fabriclite.environments import (FORCE_ENVIRONMENT_VAR, ClusterEnvironment, FabricliteEnvironment,
                                      LocalEnvironment, SLURMEnvironment, TorchElasticEnvironment, detect_environment)
@@ -66,7 +67,7 @@ class Connector:
         num_nodes = _from_cli("num_nodes", num_nodes, None)
         precision = _from_cli("precision", precision, None)
 
-        forced_env, precision_instance = _split_plugins(plugins)
+        forced_env, precision_instance, checkpoint_io = _split_plugins(plugins)
         self.num_nodes_given = num_nodes is not None
         self.num_nodes = _check_num_nodes(num_nodes)
         if precision is not None and precision_instance is not None:
@@ -99,6 +100,10 @@ class Connector:
         self.precision: Precision = precision_instance or precision_plugin(
             precision_name, parallel_devices[0].type)
         self.strategy = self._resolve_strategy(strategy, parallel_devices)
+        if checkpoint_io is not None:
+            if getattr(self.strategy, "_checkpoint_io", None) is not None:
+                raise ValueError("checkpoint_io set through both strategy class and plugins, choose one")
+            self.strategy.checkpoint_io = checkpoint_io  # sharded strategies: NotImplementedError, as in Lightning
         self.max_restarts = resolve_max_restarts(max_restarts)
         if self.max_restarts:
             self._check_restartable()
@@ -250,10 +255,11 @@ def _check_num_nodes(num_nodes: Any) -> int:
 
 
 def _split_plugins(plugins: Any) -> tuple:
+    """``(cluster environment, precision plugin, CheckpointIO)`` from ``plugins``, each None when absent."""
     if plugins is None:
-        return None, None
+        return None, None, None
     items: Iterable[Any] = plugins if isinstance(plugins, (list, tuple)) else [plugins]
-    env = precision = None
+    env = precision = checkpoint_io = None
     for plugin in items:
         if isinstance(plugin, ClusterEnvironment):
             if env is not None:
@@ -263,10 +269,15 @@ def _split_plugins(plugins: Any) -> tuple:
             if precision is not None:
                 raise ValueError(f"plugins has two precision plugins, {precision!r} and {plugin!r}; pass one.")
             precision = plugin
+        elif isinstance(plugin, CheckpointIO):
+            if checkpoint_io is not None:
+                raise ValueError(f"plugins has two CheckpointIO plugins, {checkpoint_io!r} and {plugin!r}; pass one "
+                                 "(wrap one in the other, e.g. AsyncCheckpointIO(MyCheckpointIO())).")
+            checkpoint_io = plugin
         else:
             raise TypeError(f"plugins: {plugin!r} ({type(plugin).__name__}) is not supported; expected a "
-                            "ClusterEnvironment or a Precision plugin.")
-    return env, precision
+                            "ClusterEnvironment, a Precision plugin or a CheckpointIO.")
+    return env, precision, checkpoint_io
 
 
 def cli_used() -> bool:

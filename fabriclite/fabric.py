@@ -15,16 +15,16 @@ from torch.utils.data import DataLoader
 
 from fabriclite import collectives
 from fabriclite.accelerators import Accelerator
-from fabriclite.checkpoint import manifest, resume_state
+from fabriclite.checkpoint import latest, manifest, resume_state
 from fabriclite.checkpoint.resume_state import ResumeState
-from fabriclite.checkpoint.saving import load_checkpoint, load_raw, save_checkpoint
+from fabriclite.checkpoint.saving import load_raw
 from fabriclite.compat import lightning_module, run_method, user_warnings
 from fabriclite.connector import Connector, cli_used
 from fabriclite.loggers.base import scalars, share_logger_state
 from fabriclite.strategies import Strategy
 from fabriclite.supervision import rank_signals
 from fabriclite.supervision.output_forwarding import line_buffer_stdio
-from fabriclite.supervision.rank_child import ERROR_FILE_ENV, record_errors
+from fabriclite.supervision.rank_child import ERROR_FILE_ENV, exit_on_error, record_errors
 from fabriclite.supervision.restarts import restart_count
 from fabriclite.training import live_recovery, wrapping
 from fabriclite.training.callbacks import as_callback_list, call_hook
@@ -183,8 +183,8 @@ class Fabric:
         if self.world_size > 1:
             share_logger_state(self._loggers, self.global_rank,
                                lambda obj: collectives.broadcast(self._strategy, obj, 0))
-        if register_atexit:
-            atexit.register(self._teardown)
+        if register_atexit:  # an error there (an asynchronous save that failed) must not leave exit code 0
+            atexit.register(exit_on_error, self._teardown)
 
     def _teardown(self) -> None:
         for logger in self._loggers:
@@ -359,12 +359,14 @@ class Fabric:
     # ------------------------------------------------------------------ checkpoints and preemption
     def save(self, path: Union[str, "os.PathLike[str]"], state: Dict[str, Any],
              filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None, *, keep: Optional[int] = None) -> None:
-        """Write ``state`` to ``path`` on global rank 0, atomically; every rank returns when it is complete.
-        ``keep=K``: record it in the directory's manifest and keep this run's K newest (see fabriclite.checkpoint.manifest)."""
+        """Write ``state`` to ``path`` through the strategy (global rank 0 and its CheckpointIO, atomic by default;
+        every rank its shard for sharded strategies); every rank returns when it is written (asynchronous saves:
+        snapshotted). ``keep=K``: record it in the directory's manifest once complete and keep this run's K newest
+        (see fabriclite.checkpoint.manifest)."""
         self._check_launched("save")
         unwrapped = wrapping.unwrap(state, loaders=False)
         if keep is None:
-            save_checkpoint(self._strategy, path, unwrapped, filter)
+            self._strategy.save_checkpoint(path, unwrapped, filter=filter)
         else:
             manifest.save_recorded(self._strategy, path, unwrapped, filter, keep)
 
@@ -374,15 +376,16 @@ class Fabric:
         self._check_launched("load")
         unwrapped = wrapping.unwrap(state, loaders=False)
         resume_state.set_strict(unwrapped, strict)
-        remainder = load_checkpoint(self._strategy, path, unwrapped, strict=strict, weights_only=weights_only)
+        remainder = self._strategy.load_checkpoint(path, unwrapped, strict=strict, weights_only=weights_only)
         if state is not None:
             live_recovery.keep_values(state, unwrapped)
         return remainder
 
     def load_latest(self, directory: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
                     strict: bool = True, *, weights_only: Optional[bool] = None) -> Optional[str]:
-        """``load`` the newest checkpoint ``directory``'s manifest records: its path, or None (fabriclite.checkpoint.manifest).
-        Under ``fabriclite run --fault-tolerant`` a live peer's state comes first (fabriclite.training.live_recovery)."""
+        """``load`` the newest checkpoint ``directory``'s manifest records that loads (older ones when it is damaged,
+        with a warning): its path, or None (see fabriclite.checkpoint.latest). Under ``fabriclite run
+        --fault-tolerant`` a live peer's state comes first (fabriclite.training.live_recovery)."""
         self._check_launched("load_latest")
         return live_recovery.load_latest(self._strategy, directory, state, strict,
                                          lambda path: self.load(path, state, strict=strict, weights_only=weights_only))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
@@ -28,47 +28,47 @@ def tmp_name(parent: str, name: str, tmp_tag: str, unique: str) -> str:
     return os.path.join(parent, f".{name}.tmp-{tmp_tag + '-' if tmp_tag else ''}{unique}")
 
 
-def publish(strategy: Any, path: PathLike, write: Callable[[str], None], directory: bool,
-            tmp_tag: str = "") -> None:
-    """The atomic protocol (module docstring): ``write(tmp)`` fills a temporary path beside ``path`` (every rank
-    writes into a temporary directory; only global rank 0 writes a file), then, once every rank is done, rank 0
-    swaps it in. Every rank returns when ``path`` holds the complete checkpoint, and raises if any rank's
-    write raised (nothing is swapped in then, and the temporary is removed)."""
+def publish(strategy: Any, path: PathLike, write: Callable[[str], None], tmp_tag: str = "") -> None:
+    """The atomic protocol for a directory every rank writes into (module docstring): ``write(tmp)`` fills a
+    temporary directory beside ``path`` on every rank, then, once every rank is done, rank 0 swaps it in. Every
+    rank returns when ``path`` holds the complete checkpoint, and raises if any rank's write raised (nothing is
+    swapped in then, and the temporary is removed). One-file checkpoints go through the strategy's CheckpointIO
+    instead (``TorchCheckpointIO`` writes with ``atomic_save``)."""
     path = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(path)
-    if directory:
-        # every rank writes into rank 0's temporary: its tag too (a run id can differ between processes that
-        # no supervisor started, e.g. under plain mpirun), or the other ranks' shards go to strays
-        tmp_tag, token = strategy.broadcast_object((tmp_tag, secrets.token_hex(4)) if strategy.is_global_zero
-                                                   else None, 0)
-        tmp = tmp_name(parent, name, tmp_tag, token)
-        error: Optional[BaseException] = None
-        try:
-            os.makedirs(parent, exist_ok=True)
-            write(tmp)
-        except BaseException as err:  # noqa: BLE001 - every rank must hear of it
-            if not isinstance(err, Exception) and type(err).__name__ != "CheckpointException":
-                raise  # KeyboardInterrupt, SystemExit (torch.distributed.checkpoint's errors are BaseExceptions)
-            error = err
-        outcomes = strategy.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-        failed = {rank: msg for rank, msg in enumerate(outcomes) if msg is not None}
-        if failed:
-            if strategy.is_global_zero:
-                _remove(tmp)
-            if error is not None:
-                raise error
-            raise RuntimeError(f"Saving {path} failed on rank(s) {sorted(failed)}: {failed}; nothing was written.")
+    # every rank writes into rank 0's temporary: its tag too (a run id can differ between processes that no
+    # supervisor started, e.g. under plain mpirun), or the other ranks' shards go to strays
+    tmp_tag, token = strategy.broadcast_object((tmp_tag, secrets.token_hex(4)) if strategy.is_global_zero else None, 0)
+    tmp = tmp_name(parent, name, tmp_tag, token)
+    error: Optional[BaseException] = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        write(tmp)
+    except BaseException as err:  # noqa: BLE001 - every rank must hear of it
+        if not isinstance(err, Exception) and type(err).__name__ != "CheckpointException":
+            raise  # KeyboardInterrupt, SystemExit (torch.distributed.checkpoint's errors are BaseExceptions)
+        error = err
+    outcomes = strategy.all_gather_object(None if error is None else (f"{type(error).__name__}: {error}",
+                                                                       isinstance(error, OSError)))
+    if any(outcomes):
+        if strategy.is_global_zero:
+            remove_path(tmp)
+        raise_failure(path, outcomes, error)
     with collectives.rank_zero_first(strategy):
         if strategy.is_global_zero:
-            if not directory:
-                os.makedirs(parent, exist_ok=True)
-                tmp = tmp_name(parent, name, tmp_tag, f"{os.getpid()}-{secrets.token_hex(4)}")
-                try:
-                    write(tmp)
-                except BaseException:
-                    _remove(tmp)
-                    raise
             swap_in(tmp, path)
+
+
+def raise_failure(path: str, outcomes: List[Optional[Tuple[str, bool]]], error: Optional[BaseException]) -> None:
+    """Raise, on a rank of a failed save: its own OSError (a full disk: it names the path and the cause), else
+    its own error when no rank had an OSError, else one naming every failed rank and its error. ``outcomes``: every
+    rank's ``(message, is an OSError)`` or None."""
+    failed = {rank: outcome[0] for rank, outcome in enumerate(outcomes) if outcome is not None}
+    os_errors = {rank: outcome[0] for rank, outcome in enumerate(outcomes) if outcome is not None and outcome[1]}
+    if isinstance(error, OSError) or (error is not None and not os_errors):
+        raise error
+    raise RuntimeError(f"Saving {path} failed on rank(s) {sorted(failed)}: {os_errors or failed}; nothing was "
+                       "written, the previous checkpoint at that path (if any) is intact.") from error
 
 
 def swap_in(tmp: str, path: str) -> None:
@@ -87,7 +87,7 @@ def swap_in(tmp: str, path: str) -> None:
     os.rename(tmp, path)
     _fsync_dir(parent)
     if aside is not None:
-        _remove(aside)
+        remove_path(aside)
 
 
 def recover(strategy: Any, path: PathLike) -> None:
@@ -122,27 +122,75 @@ def atomic_save(obj: Any, path: PathLike, tmp_tag: str = "") -> None:
         write_file(obj, tmp)
         swap_in(tmp, path)
     except BaseException:
-        _remove(tmp)
+        remove_path(tmp)
         raise
 
 
 def write_file(obj: Any, tmp: str) -> None:
-    """``torch.save(obj)`` into the new file ``tmp``, flushed and fsynced (it must not exist)."""
+    """``torch.save(obj)`` into the new file ``tmp``, flushed and fsynced (it must not exist). An OSError of the
+    writes (a full disk, a file-size limit) is raised as itself (torch.save would report a bare position
+    mismatch)."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     with os.fdopen(fd, "wb") as f:
-        torch.save(obj, f)
+        writes = WriteErrors()
+        try:
+            torch.save(obj, writes.wrap(f))
+        except RuntimeError:
+            if writes.first is not None:
+                raise writes.first from None
+            raise
         f.flush()
         os.fsync(f.fileno())
 
 
-def _remove(path: str) -> None:
+class WriteErrors:
+    """Streams wrapped by ``wrap`` keep the first OSError a ``write`` raised: ``torch.save`` (also inside
+    torch.distributed.checkpoint) replaces it with ``unexpected pos N vs M``, which names neither the file nor the
+    cause."""
+
+    def __init__(self) -> None:
+        self.first: Optional[OSError] = None
+        self.path = ""
+
+    def wrap(self, stream: Any, path: str = "") -> Any:
+        return _Recording(stream, self, path)
+
+    def raise_recorded(self, path: str, err: BaseException) -> None:
+        """If a write failed with an OSError: raise it again, naming ``path`` and the cause (``err`` chained)."""
+        if self.first is not None:
+            first = self.first
+            raise OSError(first.errno, f"Saving the checkpoint {path} failed: {first.strerror or first}"
+                                       f"{f' (writing {self.path})' if self.path else ''}") from err
+
+
+class _Recording:
+    """A stream whose ``write`` records its OSError in ``errors``; everything else is the stream's."""
+
+    def __init__(self, stream: Any, errors: WriteErrors, path: str) -> None:
+        self._stream, self._errors, self._path = stream, errors, path
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._stream.write(data)
+        except OSError as err:
+            if self._errors.first is None:
+                self._errors.first, self._errors.path = err, self._path
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def remove_path(path: str) -> bool:
+    """Delete the file or directory tree at ``path``; False when there was nothing."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
-        return
+        return True
     try:
         os.unlink(path)
     except FileNotFoundError:
-        pass
+        return False
+    return True
 
 
 def _fsync_dir(directory: str) -> None:
@@ -158,4 +206,5 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-__all__ = ["atomic_save", "publish", "recover", "swap_in", "tmp_name", "write_file"]
+__all__ = ["WriteErrors", "atomic_save", "publish", "raise_failure", "recover", "remove_path", "swap_in", "tmp_name",
+           "write_file"]

@@ -8,17 +8,21 @@ by rank 0. This is what Lightning's ModelParallelStrategy (FSDP2) writes and rea
 Full: one ``torch.save`` file on rank 0; modules as full state_dicts, optimizers as full state keyed by parameter
 name (Lightning's FSDP full format). Files whose optimizer state is keyed by index (DDP's) load too.
 
-Writing goes through ``fabriclite.checkpoint.saving``'s atomic protocol: ``ShardedWriter.write(tmp)`` fills a temporary
-directory on every rank; the checkpoint module swaps it in.
+Writing goes through ``fabriclite.checkpoint.atomic``'s protocol: ``ShardedWriter.write(tmp)`` fills a temporary
+directory on every rank, then rank 0 swaps it in (``fabriclite.checkpoint.async_save`` does the same in the
+background, through torch.distributed.checkpoint's ``async_save``).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Mapping, Optional
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+
+from fabriclite.checkpoint.atomic import WriteErrors, write_file
 
 METADATA_FILENAME = "meta.pt"
 DCP_METADATA = ".metadata"
@@ -147,9 +151,36 @@ class ShardedWriter:
         from torch.distributed import checkpoint as dcp
 
         os.makedirs(directory, exist_ok=True)
-        dcp.save(self.tensors, checkpoint_id=directory, no_dist=self.no_dist)
+        writer, errors = storage_writer(directory)
+        try:
+            dcp.save(self.tensors, checkpoint_id=directory, storage_writer=writer, no_dist=self.no_dist)
+        except BaseException as err:  # noqa: BLE001 - torch.distributed.checkpoint's errors are BaseExceptions
+            errors.raise_recorded(directory, err)
+            raise
+        self.write_metadata(self.metadata, directory)
+
+    def write_metadata(self, metadata: Dict[str, Any], directory: str) -> None:
+        """``meta.pt`` (``metadata``) into ``directory``, flushed and fsynced; on global rank 0 only."""
         if self.is_global_zero:
-            torch.save(self.metadata, os.path.join(directory, METADATA_FILENAME))
+            write_file(metadata, os.path.join(directory, METADATA_FILENAME))
+
+
+def storage_writer(directory: str) -> Tuple[Any, WriteErrors]:
+    """torch.distributed.checkpoint's FileSystemWriter for ``directory`` whose files keep the OSError of a failed
+    write (``WriteErrors``: DCP's own error would say ``unexpected pos`` instead of ``No space left on device``)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writer = FileSystemWriter(directory)
+    errors = WriteErrors()
+    create_stream = writer.fs.create_stream
+
+    @contextmanager
+    def recording(path: Any, mode: str) -> Iterator[Any]:
+        with create_stream(path, mode) as stream:
+            yield errors.wrap(stream, os.fspath(path))
+
+    writer.fs.create_stream = recording
+    return writer, errors
 
 
 def _stateful(obj: Any) -> bool:

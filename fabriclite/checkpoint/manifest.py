@@ -4,13 +4,20 @@ Each directory that ``fabric.save(path, state, keep=K)`` writes into holds a sma
 ``fabriclite-manifest.json``, written atomically (temporary file, fsync, rename) by global rank 0 under a lock:
 
     {"format": "fabriclite.manifest", "version": 1, "run_id": "<the last writer's run id>",
-     "checkpoints": [{"name": "step-5.ckpt", "run_id": "...", "time": 1700000000.0}, ...]}   # oldest first
+     "checkpoints": [{"name": "step-5.ckpt", "run_id": "...", "time": 1700000000.0,
+                      "files": {"step-5.ckpt": {"size": 1234, "sha256": "..."}}}, ...]}   # oldest first
 
-A checkpoint is recorded only once it is complete (after ``saving.save_checkpoint`` returned on every rank), so the
-newest entry is always loadable. After recording, only the ``keep`` newest entries *of this run* stay; the
-dropped ones are deleted. Cleanup deletes nothing but this run's dropped checkpoints (files or sharded
-directories) and this run's stray temporary files (``.<name>.tmp-<run id>-...``, left by a process killed while
-writing): two jobs sharing a directory never delete each other's files.
+A checkpoint is recorded only once it is complete on every rank (``saving.save_checkpoint``'s ``on_complete``:
+at once for a synchronous save, in the background for an asynchronous one), with the size and sha256 of each of
+its files (``fabriclite.checkpoint.integrity``; ``load_latest`` checks them: ``fabriclite.checkpoint.latest``).
+The manifest is the commit point. After recording, only the ``keep`` newest entries *of this run* stay; the
+dropped ones are deleted (one-file checkpoints through the strategy's CheckpointIO's ``remove_checkpoint``).
+Cleanup deletes nothing but this run's dropped checkpoints and this run's stray temporary files
+(``.<name>.tmp-<run id>-...``, left by a process killed while writing): two jobs sharing a directory never delete
+each other's files, and the lock serialises their manifest updates (no entry is lost).
+
+On an fsspec URL (``fabriclite.checkpoint.remote_paths``) the manifest is one object, replaced by one upload; an
+object store has no lock, so two jobs must not share a directory there (an update can overwrite the other's).
 
 The run id persists across restart rounds: ``$FABRICLITE_RUN_ID`` (the supervisor sets it for its ranks; set
 it yourself to continue a run's cleanup in a new launch), else the SLURM job (``$SLURM_ARRAY_JOB_ID_$SLURM_
@@ -22,12 +29,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 from fabriclite import collectives
-from fabriclite.checkpoint.atomic import swap_in, tmp_name
+from fabriclite.checkpoint import remote_paths
+from fabriclite.checkpoint.atomic import remove_path, swap_in, tmp_name
 from fabriclite.checkpoint.saving import save_checkpoint
 from fabriclite.distributed import rendezvous
 
@@ -52,34 +59,41 @@ def save_recorded(strategy: Any, path: PathLike, state: Mapping[str, Any], filte
     ``keep`` newest (see the module docstring). Call on every rank. The manifest is checked before anything is
     written: one that is not in this format is a ValueError on every rank."""
     keep = check_keep(keep)
-    path = os.path.abspath(os.fspath(path))
-    directory, name = os.path.split(path)
+    path = remote_paths.normalize(path)
+    directory, name = remote_paths.split(path)
     if name == MANIFEST:
         raise ValueError(f"save({path!r}): {MANIFEST} is the manifest's own name; pick another file name.")
-    rid = rendezvous.run_id()
-    on_rank_zero(strategy, lambda: read_manifest(directory) and None)
-    save_checkpoint(strategy, path, state, filter, tmp_tag=rid)
-    with collectives.rank_zero_first(strategy):
-        if strategy.is_global_zero:
-            record(directory, name, rid, keep)
+    # rank 0's run id, on every rank: it names the temporaries every rank writes (a sharded checkpoint's)
+    rid = on_rank_zero(strategy, lambda: read_manifest(directory) and None or rendezvous.run_id())
+    io = strategy.file_checkpoint_io
+
+    def on_complete(files: Dict[str, Dict[str, Any]]) -> None:
+        record(directory, name, rid, keep, files, io.remove_checkpoint)
+
+    save_checkpoint(strategy, path, state, filter, tmp_tag=rid, on_complete=on_complete)
 
 
-def record(directory: str, name: str, rid: str, keep: int) -> List[str]:
-    """Add ``name`` (complete) as the newest checkpoint of run ``rid`` to ``directory``'s manifest, drop this
-    run's entries beyond the ``keep`` newest and delete them and this run's stray temporaries. Returns the
-    names deleted. One process at a time per directory (a lock file)."""
+def record(directory: str, name: str, rid: str, keep: int, files: Optional[Dict[str, Any]] = None,
+           remove: Optional[Callable[[str], Any]] = None) -> List[str]:
+    """Add ``name`` (complete; ``files``: its files' digests) as the newest checkpoint of run ``rid`` to
+    ``directory``'s manifest, drop this run's entries beyond the ``keep`` newest and delete them (a directory
+    directly, a file with ``remove``, default: directly) and this run's stray temporaries. Returns the names
+    deleted. One process at a time per local directory (a lock file)."""
     with _Lock(directory):
         manifest = read_manifest(directory) or _empty()
         entries = [e for e in manifest["checkpoints"] if e["name"] != name]
-        entries.append({"name": name, "run_id": rid, "time": time.time()})
+        entry: Dict[str, Any] = {"name": name, "run_id": rid, "time": time.time()}
+        if files:
+            entry["files"] = files
+        entries.append(entry)
         mine = [e for e in entries if e["run_id"] == rid]
         dropped = mine[:-keep]
         kept = [e for e in entries if e not in dropped]
         write_manifest(directory, {**manifest, "run_id": rid, "checkpoints": kept}, rid)
     deleted = []
-    for entry in dropped:
-        if _delete(os.path.join(directory, entry["name"])):
-            deleted.append(entry["name"])
+    for dropped_entry in dropped:
+        if _delete(remote_paths.join(directory, dropped_entry["name"]), remove):
+            deleted.append(dropped_entry["name"])
     remove_stray_temporaries(directory, rid)
     return deleted
 
@@ -88,17 +102,34 @@ def latest(strategy: Any, directory: PathLike) -> Optional[str]:
     """The path of the newest checkpoint ``directory``'s manifest records whose file exists (None when there is
     none, or no directory), the same on every rank (rank 0 reads, then broadcasts). Raises ValueError, on every
     rank, when ``directory`` is a file or its manifest is not in this format. Rank 0 deletes this run's stray
-    temporaries there."""
-    directory = os.path.abspath(os.fspath(directory))
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ValueError(f"load_latest({directory!r}): that is a file, not a directory; pass the directory that "
-                         "fabric.save(..., keep=K) writes its checkpoints into.")
+    temporaries there. (``fabriclite.checkpoint.latest.load_latest`` also checks and loads it.)"""
+    directory = check_directory(directory)
+
     def newest() -> Optional[str]:
-        path = _newest(directory)
-        remove_stray_temporaries(directory, rendezvous.run_id())
-        return path
+        for entry in entries(directory):
+            path = remote_paths.join(directory, entry["name"])
+            if remote_paths.exists(path):
+                return path
+        return None
 
     return on_rank_zero(strategy, newest)
+
+
+def check_directory(directory: PathLike) -> str:
+    """``directory`` normalized; ValueError when it is a file."""
+    directory = remote_paths.normalize(directory)
+    if remote_paths.exists(directory) and not remote_paths.isdir(directory):
+        raise ValueError(f"load_latest({directory!r}): that is a file, not a directory; pass the directory that "
+                         "fabric.save(..., keep=K) writes its checkpoints into.")
+    return directory
+
+
+def entries(directory: str) -> List[Dict[str, Any]]:
+    """The manifest's checkpoints, newest first (none without a manifest); this run's stray temporaries there
+    are deleted. Call on one process."""
+    manifest = read_manifest(directory)
+    remove_stray_temporaries(directory, rendezvous.run_id())
+    return list(reversed(manifest["checkpoints"])) if manifest else []
 
 
 def on_rank_zero(strategy: Any, fn: Callable[[], Any]) -> Any:
@@ -117,31 +148,22 @@ def on_rank_zero(strategy: Any, fn: Callable[[], Any]) -> Any:
     return answer[1]
 
 
-def _newest(directory: str) -> Optional[str]:
-    manifest = read_manifest(directory)
-    for entry in reversed(manifest["checkpoints"] if manifest else []):
-        path = os.path.join(directory, entry["name"])
-        if os.path.exists(path):
-            return path
-    return None
-
-
 def read_manifest(directory: str) -> Optional[Dict[str, Any]]:
     """``directory``'s manifest, or None when it has none; ValueError naming the file when it is not one."""
-    path = os.path.join(directory, MANIFEST)
+    path = remote_paths.join(directory, MANIFEST)
     try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        return None
+        raw = remote_paths.read_bytes(path)
     except NotADirectoryError:
         raise ValueError(f"{directory!r} is a file, not a directory; checkpoints with keep= need a directory.") \
             from None
+    if raw is None:
+        return None
     try:
-        data = json.loads(text)
+        data = json.loads(raw.decode())
         ok = data.get("format") == FORMAT and isinstance(data.get("checkpoints"), list) and all(
             isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("run_id"), str)
-            and os.path.basename(e["name"]) == e["name"] for e in data["checkpoints"])
+            and os.path.basename(e["name"]) == e["name"] and isinstance(e.get("files", {}), dict)
+            for e in data["checkpoints"])
     except (ValueError, AttributeError):
         ok = False
     if not ok:
@@ -154,18 +176,24 @@ def read_manifest(directory: str) -> Optional[Dict[str, Any]]:
 
 
 def write_manifest(directory: str, manifest: Dict[str, Any], rid: str) -> None:
-    """Replace ``directory``'s manifest atomically (its temporary name carries ``rid``)."""
+    """Replace ``directory``'s manifest atomically (its temporary name carries ``rid``; a URL: one upload)."""
+    text = json.dumps(manifest, indent=1)
+    if remote_paths.is_remote(directory):
+        remote_paths.write_bytes(remote_paths.join(directory, MANIFEST), text.encode())
+        return
     os.makedirs(directory, exist_ok=True)
     tmp = tmp_name(directory, MANIFEST, rid, f"{os.getpid()}-{secrets.token_hex(4)}")
     with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     swap_in(tmp, os.path.join(directory, MANIFEST))
 
 
 def remove_stray_temporaries(directory: str, rid: str) -> None:
-    """Delete ``.<name>.tmp-<rid>-...`` files in ``directory`` (only run ``rid``'s)."""
+    """Delete ``.<name>.tmp-<rid>-...`` files in the local ``directory`` (only run ``rid``'s)."""
+    if remote_paths.is_remote(directory):
+        return  # nothing is written under a temporary name there
     try:
         names = os.listdir(directory)
     except OSError:
@@ -173,18 +201,20 @@ def remove_stray_temporaries(directory: str, rid: str) -> None:
     marker = f".tmp-{rid}-"
     for name in names:
         if name.startswith(".") and marker in name:
-            _delete(os.path.join(directory, name))
+            remove_path(os.path.join(directory, name))
 
 
-def _delete(path: str) -> bool:
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-        return True
-    except FileNotFoundError:
+def _delete(path: str, remove: Optional[Callable[[str], Any]]) -> bool:
+    """Delete a dropped checkpoint: a directory (sharded) directly, a file with ``remove`` when given."""
+    if not remote_paths.exists(path):
         return False
+    if remove is not None and not remote_paths.isdir(path):
+        remove(path)
+    elif remote_paths.is_remote(path):
+        remote_paths.remove(path)
+    else:
+        remove_path(path)
+    return True
 
 
 def _empty() -> Dict[str, Any]:
@@ -192,13 +222,16 @@ def _empty() -> Dict[str, Any]:
 
 
 class _Lock:
-    """An exclusive flock on ``<directory>/.fabriclite-manifest.lock`` (one manifest writer at a time)."""
+    """An exclusive flock on ``<directory>/.fabriclite-manifest.lock`` (one manifest writer at a time); nothing on
+    an fsspec URL (object stores have no lock: one job per directory there)."""
 
     def __init__(self, directory: str) -> None:
-        self.path = os.path.join(directory, ".fabriclite-manifest.lock")
+        self.path = None if remote_paths.is_remote(directory) else os.path.join(directory, ".fabriclite-manifest.lock")
         self.fd = -1
 
     def __enter__(self) -> "_Lock":
+        if self.path is None:
+            return self
         import fcntl
 
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -207,7 +240,10 @@ class _Lock:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        os.close(self.fd)  # releases the lock
+        if self.fd >= 0:
+            os.close(self.fd)  # releases the lock
+            self.fd = -1
 
 
-__all__ = ["MANIFEST", "check_keep", "latest", "read_manifest", "record", "save_recorded"]
+__all__ = ["MANIFEST", "check_directory", "check_keep", "entries", "latest", "on_rank_zero", "read_manifest", "record",
+           "save_recorded"]

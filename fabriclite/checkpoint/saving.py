@@ -1,6 +1,7 @@
-"""Saving and loading a script's state: one file written by global rank 0, or (sharded strategies) a directory
-every rank writes its shard into; either is published through ``fabriclite.checkpoint.atomic`` and read by every
-rank.
+"""Saving and loading a script's state: one file written by global rank 0 through the strategy's CheckpointIO
+(``fabriclite.checkpoint.checkpoint_io``; atomic by default), or (sharded strategies) a directory every rank writes
+its shard into, published through ``fabriclite.checkpoint.atomic``; either is read by every rank. Asynchronous
+saves (``fabriclite.checkpoint.async_save``) take the same paths, in the background.
 
 Format: ``torch.save`` of a plain dict in which modules, optimizers and other stateful objects (anything
 with ``state_dict()`` and ``load_state_dict()``) are replaced by their state_dicts. That is also Lightning
@@ -14,11 +15,14 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Dict, Mapping, Optional, Union
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fabriclite.checkpoint.atomic import publish, recover, write_file
+from fabriclite import collectives
+from fabriclite.checkpoint import integrity, remote_paths
+from fabriclite.checkpoint.async_save import AsyncCheckpointIO, OnComplete
+from fabriclite.checkpoint.atomic import publish, recover
+from fabriclite.checkpoint.checkpoint_io import TorchCheckpointIO
 
 PathLike = Union[str, "os.PathLike[str]"]
 Filter = Dict[str, Callable[[str, Any], bool]]
@@ -66,26 +70,82 @@ def to_saveable(strategy: Any, state: Mapping[str, Any], filter: Optional[Filter
 
 
 def save_checkpoint(strategy: Any, path: PathLike, state: Mapping[str, Any], filter: Optional[Filter] = None,
-         tmp_tag: str = "") -> None:
+                    storage_options: Optional[Any] = None, tmp_tag: str = "",
+                    on_complete: Optional[OnComplete] = None) -> None:
     """Write ``state`` to ``path`` (see the module docstring). Call on every rank with the same path.
-    ``tmp_tag`` goes into the temporary name (the manifest puts the run id there)."""
+
+    One file: global rank 0 hands the state_dicts to the strategy's CheckpointIO (``storage_options`` passed
+    through); every rank returns once it returned (an ``AsyncCheckpointIO`` returns once the snapshot is taken).
+    A sharded directory: every rank writes its shard (TypeError for ``storage_options``, as in Lightning).
+    ``tmp_tag`` goes into temporary names (the manifest puts the run id there). ``on_complete(files)`` runs on
+    global rank 0 once the checkpoint is complete on every rank (later, in the background, for asynchronous
+    saves), with its files' digests (``fabriclite.checkpoint.integrity``)."""
     check_filter(state, filter)
+    target = remote_paths.normalize(path)
     writer = strategy.checkpoint_writer(dict(state), filter)
     if writer is not None:
-        publish(strategy, path, writer.write, directory=True, tmp_tag=tmp_tag)
+        if storage_options is not None:
+            raise TypeError(f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported "
+                            f"because `{type(strategy).__name__}` does not use the `CheckpointIO`.")
+        if remote_paths.is_remote(target):
+            raise NotImplementedError(f"save({target!r}): sharded checkpoints are written to local (or mounted "
+                                      "shared) directories only; save to a shared filesystem path, or use "
+                                      "state_dict_type='full' for one file through fsspec.")
+        saver = getattr(strategy, "async_saves", None)
+        if saver is not None:
+            saver.save(strategy, target, writer, tmp_tag, on_complete)
+            return
+        publish(strategy, target, writer.write, tmp_tag=tmp_tag)
+        if on_complete is not None:
+            _complete_directory(strategy, target, on_complete)
         return
     checkpoint = strategy.checkpoint_state(to_saveable(strategy, state, filter))
-    publish(strategy, path, lambda tmp: write_file(checkpoint, tmp), directory=False, tmp_tag=tmp_tag)
+    io = strategy.file_checkpoint_io
+    directory, name = remote_paths.split(target)
+
+    def complete() -> None:
+        assert on_complete is not None
+        on_complete(integrity.digests(directory, integrity.files_of(directory, name)))
+
+    with collectives.rank_zero_first(strategy):
+        if strategy.is_global_zero:
+            if isinstance(io, AsyncCheckpointIO):
+                io.save_in_background(checkpoint, target, storage_options, then=complete if on_complete else None)
+            else:
+                io.save_checkpoint(checkpoint, target, storage_options=storage_options)
+                if on_complete is not None:
+                    complete()
 
 
-def read(path: PathLike, weights_only: Optional[bool] = None) -> Any:
-    """The object stored at ``path``, tensors on the CPU. ``weights_only``: None is torch.load's default
-    (True: tensors, containers and primitives only); pass False for a trusted file holding other objects.
-    FileNotFoundError naming the path when it does not exist."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"Checkpoint file not found: {path}")
-    return torch.load(path, map_location="cpu", weights_only=weights_only)
+def _complete_directory(strategy: Any, path: str, on_complete: OnComplete) -> None:
+    """Digests of a complete sharded checkpoint, each rank hashing its share, then ``on_complete`` on rank 0."""
+    directory, name = os.path.split(path)
+    names = integrity.files_of(directory, name) if strategy.is_global_zero else None
+    if strategy.world_size > 1:
+        names = strategy.broadcast_object(names, 0)
+    mine = integrity.digests(directory, names, strategy.global_rank, strategy.world_size)
+    shares = strategy.all_gather_object(mine) if strategy.world_size > 1 else [mine]
+    with collectives.rank_zero_first(strategy):
+        if strategy.is_global_zero:
+            on_complete({k: v for share in shares for k, v in share.items()})
+
+
+def wait_for_saves(strategy: Any) -> None:
+    """Block until the asynchronous saves in flight (if the strategy makes any) are complete; their error, if
+    one failed, is raised on every rank (rank 0 first). Call on every rank."""
+    if not strategy.saves_in_background:
+        return
+    with collectives.rank_zero_first(strategy):
+        strategy.wait_for_checkpoints()
+
+
+def read(path: PathLike, io: Any = None, weights_only: Optional[bool] = None) -> Any:
+    """The object stored at ``path``, tensors on the CPU, read by ``io`` (default ``TorchCheckpointIO``).
+    ``weights_only``: None is torch.load's default (True: tensors, containers and primitives only); pass False
+    for a trusted file holding other objects. FileNotFoundError naming the path when it does not exist,
+    CorruptCheckpointError naming it when it cannot be read."""
+    io = io if io is not None else TorchCheckpointIO()
+    return io.load_checkpoint(path, map_location="cpu", weights_only=weights_only)
 
 
 def load_checkpoint(strategy: Any, path: PathLike, state: Any = None, strict: bool = True,
@@ -99,15 +159,18 @@ def load_checkpoint(strategy: Any, path: PathLike, state: Any = None, strict: bo
     must match exactly. A sharded checkpoint (a directory) loads into a run of any strategy and world size
     (``fabriclite.checkpoint.dcp.load_sharded``). A save that crashed between its renames is recovered first.
     """
-    recover(strategy, path)
-    if os.path.isdir(os.fspath(path)):
+    path = remote_paths.normalize(path)
+    wait_for_saves(strategy)
+    if not remote_paths.is_remote(path):
+        recover(strategy, path)
+    if not remote_paths.is_remote(path) and os.path.isdir(path):
         from fabriclite.checkpoint import dcp
 
-        if not dcp.is_sharded_checkpoint(os.fspath(path)):
-            raise IsADirectoryError(f"{os.fspath(path)} is a directory but not a sharded checkpoint (it has neither "
+        if not dcp.is_sharded_checkpoint(path):
+            raise IsADirectoryError(f"{path} is a directory but not a sharded checkpoint (it has neither "
                                     f"{dcp.METADATA_FILENAME} nor .metadata); pass the path of a checkpoint.")
-        return dcp.load_sharded(strategy, os.fspath(path), state, strict=strict, weights_only=weights_only)
-    checkpoint = read(path, weights_only=weights_only)
+        return dcp.load_sharded(strategy, path, state, strict=strict, weights_only=weights_only)
+    checkpoint = read(path, strategy.file_checkpoint_io, weights_only=weights_only)
     if not state:
         return checkpoint
     if isinstance(state, nn.Module):

@@ -23,16 +23,19 @@ Training hooks (defaults here suit any strategy whose ranks hold full replicas; 
 ``setup_module`` / ``setup_optimizer`` / ``setup_module_and_optimizers``, ``module_to_device``,
 ``batch_to_device``, ``backward``, ``optimizer_step``, ``no_backward_sync``, ``clip_gradients_norm`` /
 ``clip_gradients_value``, ``module_init_context`` / ``tensor_init_context``, ``distributed_sampler_kwargs``,
-``process_dataloader``, and the checkpoint hooks ``get_module_state_dict`` / ``load_module_state_dict`` /
-``get_optimizer_state`` / ``checkpoint_state`` (``fabriclite.checkpoint.saving`` writes and reads the file).
+``process_dataloader``, and checkpoints: Lightning's ``checkpoint_io`` / ``save_checkpoint`` / ``load_checkpoint``
+(``fabriclite.checkpoint.saving`` does the work, through the CheckpointIO for one file) and the hooks it asks
+``get_module_state_dict`` / ``load_module_state_dict`` / ``get_optimizer_state`` / ``checkpoint_state`` /
+``checkpoint_writer`` (a sharded strategy's directory).
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import os
 import warnings
+from abc import ABC, abstractmethod
 from contextlib import nullcontext
-from typing import (TYPE_CHECKING, Any, ContextManager, Dict, FrozenSet, Iterator, List,
-                    Optional, Tuple)
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List,
+                    Optional, Tuple, Union)
 
 import torch
 from torch import Tensor, nn
@@ -40,12 +43,16 @@ from torch.optim import Optimizer
 
 from fabriclite import collectives
 from fabriclite.accelerators.base import Accelerator
+from fabriclite.checkpoint.async_save import AsyncCheckpointIO
+from fabriclite.checkpoint.checkpoint_io import CheckpointIO, TorchCheckpointIO
+from fabriclite.checkpoint.saving import load_checkpoint, save_checkpoint
 from fabriclite.precision import Precision
 
 if TYPE_CHECKING:
     from fabriclite.environments.base import ClusterEnvironment
     from fabriclite.launchers.base import Launcher
 
+PathLike = Union[str, "os.PathLike[str]"]
 ALL_REDUCE_OPS: FrozenSet[str] = frozenset({"sum", "min", "max", "prod", "band", "bor", "bxor"})
 
 
@@ -60,11 +67,13 @@ class Strategy(ABC):
     def __init__(
         self,
         accelerator: Optional[Accelerator] = None,
-        checkpoint_io: None = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[Precision] = None,
         cluster_environment: Optional["ClusterEnvironment"] = None,
     ) -> None:
-        reject_checkpoint_io(checkpoint_io)
+        self._checkpoint_io: Optional[CheckpointIO] = None
+        if checkpoint_io is not None:
+            self.checkpoint_io = checkpoint_io
         self.accelerator = accelerator
         self.precision = precision or Precision()
         self.cluster_environment = cluster_environment
@@ -202,6 +211,53 @@ class Strategy(ABC):
         return dataloader
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """The plugin that writes and reads one-file checkpoints (default ``TorchCheckpointIO``; Lightning's)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = TorchCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        if not isinstance(io, CheckpointIO):
+            raise TypeError(f"checkpoint_io={io!r} ({type(io).__name__}) is not a CheckpointIO; subclass "
+                            "fabriclite.plugins.io.CheckpointIO (save_checkpoint, load_checkpoint, remove_checkpoint).")
+        self._checkpoint_io = io
+
+    @property
+    def file_checkpoint_io(self) -> CheckpointIO:
+        """What ``fabriclite.checkpoint.saving`` writes one-file checkpoints with: ``checkpoint_io`` (sharded
+        strategies, which take no plugin, use their own for their full-state files)."""
+        return self.checkpoint_io
+
+    @property
+    def saves_in_background(self) -> bool:
+        """Whether checkpoints are written asynchronously (the same answer on every rank)."""
+        return isinstance(self._checkpoint_io, AsyncCheckpointIO)
+
+    def wait_for_checkpoints(self) -> None:
+        """Block until this rank's asynchronous checkpoint writes are complete; raise the error of one that failed
+        (``AsyncSaveError``, naming the path). Nothing to do for synchronous saves."""
+        io = self._checkpoint_io
+        if isinstance(io, AsyncCheckpointIO):
+            io.wait()
+
+    def save_checkpoint(self, path: PathLike, state: Dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """Write ``state`` (modules, optimizers and stateful objects as their state_dicts; ``filter`` keeps some
+        entries) to ``path`` through ``checkpoint_io`` on global rank 0, ``storage_options`` passed to it. Call on
+        every rank; every rank returns once the plugin returned and raises if it raised
+        (``fabriclite.checkpoint.saving``)."""
+        save_checkpoint(self, path, state, filter=filter, storage_options=storage_options)
+
+    def load_checkpoint(self, path: PathLike, state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Restore ``state`` (a dict of objects, a module, an optimizer) in place from ``path``; returns what was
+        not restored (the whole checkpoint for ``state`` None / empty). Call on every rank
+        (``fabriclite.checkpoint.saving.load_checkpoint``)."""
+        return load_checkpoint(self, path, state, strict=strict, weights_only=weights_only)
+
     def checkpoint_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
         """The checkpoint (module / optimizer state already taken) as it will be written; XLA syncs and
         moves tensors to the CPU. Default: as is. Saving itself lives in ``fabriclite.checkpoint.saving``."""
@@ -229,10 +285,16 @@ class Strategy(ABC):
         return optimizer.state_dict()
 
     def teardown(self) -> None:
-        """Leave the group and release the device; safe to call twice."""
-        self.precision.teardown()
-        if self.accelerator is not None:
-            self.accelerator.teardown()
+        """Wait for checkpoints still being written (raising the error of one that failed, after the rest of the
+        teardown), leave the group and release the device; safe to call twice."""
+        try:
+            self.wait_for_checkpoints()
+        finally:
+            self.precision.teardown()
+            if self.accelerator is not None:
+                self.accelerator.teardown()
+            if self._checkpoint_io is not None:
+                self._checkpoint_io.teardown()
 
     # ------------------------------------------------------------------ Lightning's collective methods
     # What user code and a LightningModule call on ``fabric.strategy``, with Lightning's signatures. Each is
@@ -317,15 +379,6 @@ class Strategy(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(accelerator={self.accelerator!r}, precision={self.precision!r})"
-
-
-def reject_checkpoint_io(checkpoint_io: Any) -> None:
-    """Lightning's ``checkpoint_io`` argument is accepted in its place, as None only: fabriclite writes
-    checkpoints itself (``fabriclite.checkpoint.saving``: atomic, one protocol for every strategy)."""
-    if checkpoint_io is not None:
-        raise ValueError(f"checkpoint_io={checkpoint_io!r}: fabriclite has no CheckpointIO plugins; it writes "
-                         "checkpoints itself (atomically). Leave checkpoint_io unset and use fabric.save / "
-                         "fabric.load; see docs/compat.md.")
 
 
 def _params(optimizer: Optimizer) -> Iterator[Tensor]:

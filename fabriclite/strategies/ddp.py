@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from fabriclite.checkpoint.checkpoint_io import CheckpointIO
 from fabriclite.distributed import rendezvous
 from fabriclite.distributed.network import gloo_interface
 from fabriclite.distributed import gloo_exit
@@ -54,7 +55,7 @@ class DDPStrategy(ParallelStrategy):
         accelerator: Any = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Any = None,
-        checkpoint_io: None = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
         precision: Any = None,
         process_group_backend: Optional[str] = None,
         timeout: Union[None, float, timedelta] = None,
@@ -223,17 +224,22 @@ class DDPStrategy(ParallelStrategy):
         return module.no_sync()
 
     def teardown(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
-        if dist.is_initialized() and "gloo" in str(dist.get_backend()):
-            gloo_exit.wait_for_idle_workers()  # else a worker's late release can abort the rank at exit
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-        self._owns_group = False
-        self._groups.clear()
-        self._store = None
-        super().teardown()
+        """Wait for checkpoints still being written (their background work uses the process groups), then leave
+        the group; an asynchronous save's error is raised after the rest of the teardown."""
+        try:
+            self.wait_for_checkpoints()
+        finally:
+            if self._watch is not None:
+                self._watch.stop()
+                self._watch = None
+            if dist.is_initialized() and "gloo" in str(dist.get_backend()):
+                gloo_exit.wait_for_idle_workers()  # else a worker's late release can abort the rank at exit
+            if self._owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+            self._owns_group = False
+            self._groups.clear()
+            self._store = None
+            super().teardown()
 
     # ------------------------------------------------------------------ primitives
     def resolve_group(self, group: Any) -> Any:

@@ -39,7 +39,9 @@ class FSDPStrategy(ShardedStrategy):
     ``sharding_strategy``: FULL_SHARD (1-D mesh, reshard after forward), SHARD_GRAD_OP (1-D, kept unsharded
     between forward and backward), HYBRID_SHARD (2-D nodes x devices), NO_SHARD (replicated).
     ``state_dict_type``: "sharded" (a torch.distributed.checkpoint directory + ``meta.pt``) or "full" (one file).
-    ``cpu_offload`` needs cuda (FSDP2 offloads from an accelerator to the CPU).
+    ``cpu_offload`` needs cuda (FSDP2 offloads from an accelerator to the CPU). ``async_save=True`` (fabriclite's):
+    ``fabric.save`` snapshots the state and returns; the checkpoint is written in the background
+    (``fabriclite.checkpoint.async_save``).
     """
 
     name = "fsdp"
@@ -61,6 +63,7 @@ class FSDPStrategy(ShardedStrategy):
         state_dict_type: Literal["full", "sharded"] = "sharded",
         device_mesh: Any = None,
         start_method: StartMethod = "popen",
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -88,7 +91,7 @@ class FSDPStrategy(ShardedStrategy):
         if device_mesh is not None and not (isinstance(device_mesh, tuple) or hasattr(device_mesh, "mesh")):
             raise TypeError(f"device_mesh={device_mesh!r}: expected a (replicate, shard) tuple or a DeviceMesh.")
         self._requested_mesh = device_mesh
-        self._init_sharded()
+        self._init_sharded(async_save)
 
     # ------------------------------------------------------------------ configuration
     @property

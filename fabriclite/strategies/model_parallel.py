@@ -25,7 +25,8 @@ class ModelParallelStrategy(ShardedStrategy):
     ``parallelize_fn(module, device_mesh) -> module``. ``data_parallel_size`` "auto": the number of nodes;
     ``tensor_parallel_size`` "auto": the processes per node; their product must be the world size.
     ``save_distributed_checkpoint``: True writes a torch.distributed.checkpoint directory (+ ``meta.pt``), False one
-    full file from rank 0.
+    full file from rank 0. ``async_save=True`` (fabriclite's): checkpoints are written in the background
+    (``fabriclite.checkpoint.async_save``).
     """
 
     name = "model_parallel"
@@ -38,6 +39,7 @@ class ModelParallelStrategy(ShardedStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Union[None, float, timedelta] = None,
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
@@ -51,7 +53,7 @@ class ModelParallelStrategy(ShardedStrategy):
         self._data_parallel_size = data_parallel_size
         self._tensor_parallel_size = tensor_parallel_size
         self.sharded_checkpoints = bool(save_distributed_checkpoint)
-        self._init_sharded()
+        self._init_sharded(async_save)
 
     def check_configuration(self, accelerator: str, world_size: int) -> None:
         """ValueError before anything starts: an accelerator FSDP2 / DTensor do not run on here, or sizes whose

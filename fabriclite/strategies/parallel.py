@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from fabriclite.checkpoint.checkpoint_io import CheckpointIO
 from fabriclite.strategies.base import Strategy
 
 
@@ -20,7 +21,7 @@ class ParallelStrategy(Strategy, ABC):
         accelerator: Any = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Any = None,
-        checkpoint_io: None = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
         precision: Any = None,
     ) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision,

@@ -1,7 +1,8 @@
 """What the sharded strategies (fsdp, model_parallel) share on top of DDP's processes and collectives: meta-device
 init, the optimizer following the sharded parameters, gradient clipping over every shard, FSDP2's gradient-sync
-switch, and checkpoints (``fabriclite.checkpoint.dcp``). Subclasses say how a module is sharded (``setup_module``)
-and over which mesh (``setup_environment`` sets ``_device_mesh``)."""
+switch, and checkpoints (``fabriclite.checkpoint.dcp``; written in the background with ``async_save=True``, see
+``fabriclite.checkpoint.async_save``; like Lightning's, they take no CheckpointIO plugin). Subclasses say how a
+module is sharded (``setup_module``) and over which mesh (``setup_environment`` sets ``_device_mesh``)."""
 from __future__ import annotations
 
 import weakref
@@ -12,6 +13,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from fabriclite.checkpoint.async_save import AsyncCheckpointIO, AsyncShardedSaves
+from fabriclite.checkpoint.checkpoint_io import CheckpointIO, TorchCheckpointIO
 from fabriclite.strategies import fsdp2 as sharding
 from fabriclite.strategies.ddp import DDPStrategy
 
@@ -22,9 +25,15 @@ class ShardedStrategy(DDPStrategy):
     #: checkpoints as a torch.distributed.checkpoint directory (else one full file); set by subclasses
     sharded_checkpoints: bool = True
 
-    def _init_sharded(self) -> None:
+    def _init_sharded(self, async_save: bool = False) -> None:
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save={async_save!r}: expected True (checkpoints written in the background) or "
+                            "False.")
         self._device_mesh: Any = None
         self._modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        #: asynchronous sharded saves (torch.distributed.checkpoint's async_save), or None: synchronous
+        self.async_saves: Optional[AsyncShardedSaves] = AsyncShardedSaves() if async_save else None
+        self._file_io: CheckpointIO = AsyncCheckpointIO() if async_save else TorchCheckpointIO()
 
     @property
     def device_mesh(self) -> Any:
@@ -81,6 +90,35 @@ class ShardedStrategy(DDPStrategy):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Sharded strategies take no CheckpointIO plugin (Lightning's NotImplementedError)."""
+        raise NotImplementedError(f"The `{type(self).__name__}` does not use the `CheckpointIO` plugin interface.")
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        hint = (f" For saves in the background pass {type(self).__name__}(async_save=True)."
+                if isinstance(io, AsyncCheckpointIO) else "")
+        raise NotImplementedError(f"The `{type(self).__name__}` does not support setting a `CheckpointIO` plugin.{hint}")
+
+    @property
+    def file_checkpoint_io(self) -> CheckpointIO:
+        """The CheckpointIO of this strategy's one-file (full state) checkpoints: fabriclite's own."""
+        return self._file_io
+
+    @property
+    def saves_in_background(self) -> bool:
+        return self.async_saves is not None
+
+    def wait_for_checkpoints(self) -> None:
+        """Block until this rank's part of the asynchronous save in flight is written; raise its error."""
+        try:
+            if self.async_saves is not None:
+                self.async_saves.wait()
+        finally:
+            if isinstance(self._file_io, AsyncCheckpointIO):
+                self._file_io.wait()
+
     def module_of(self, optimizer: Optimizer) -> nn.Module:
         """The sharded module whose parameters ``optimizer`` holds; ValueError if none set up here does."""
         own = {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -5,6 +5,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from fabriclite.checkpoint.checkpoint_io import CheckpointIO
 from fabriclite.strategies.base import Strategy
 
 
@@ -15,7 +16,7 @@ class SingleDeviceStrategy(Strategy):
     single_device = True
 
     def __init__(self, device: Union[str, torch.device, int] = "cpu", accelerator: Any = None,
-                 checkpoint_io: None = None, precision: Any = None, **kwargs: Any) -> None:
+                 checkpoint_io: Optional[CheckpointIO] = None, precision: Any = None, **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision, **kwargs)
         self._device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from fabriclite.accelerators.xla import import_xla
+from fabriclite.checkpoint.checkpoint_io import CheckpointIO
 from fabriclite.collectives.ops import BITWISE_OPS, check_native_reduce, reduce_rows_bitwise
 from fabriclite.strategies.parallel import ParallelStrategy
 from fabriclite.strategies.single_device import SingleDeviceStrategy
@@ -109,7 +110,7 @@ class SingleDeviceXLAStrategy(_XLAMixin, SingleDeviceStrategy):
     name = "single_xla"
 
     def __init__(self, device: Union[int, str, torch.device] = 0, accelerator: Any = None,
-                 checkpoint_io: None = None, precision: Any = None, **kwargs: Any) -> None:
+                 checkpoint_io: Optional[CheckpointIO] = None, precision: Any = None, **kwargs: Any) -> None:
         import_xla()
         index = device if isinstance(device, int) else (torch.device(device).index or 0)
         super().__init__(device=torch.device("xla", index), accelerator=accelerator, checkpoint_io=checkpoint_io,
@@ -128,7 +129,7 @@ class XLAStrategy(_XLAMixin, ParallelStrategy):
     name = "xla"
 
     def __init__(self, accelerator: Any = None, parallel_devices: Optional[List[torch.device]] = None,
-                 checkpoint_io: None = None, precision: Any = None, sync_module_states: bool = True,
+                 checkpoint_io: Optional[CheckpointIO] = None, precision: Any = None, sync_module_states: bool = True,
                  cluster_environment: Any = None) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, checkpoint_io=checkpoint_io,
                          precision=precision, cluster_environment=cluster_environment)

@@ -12,7 +12,7 @@ import threading
 import time
 import traceback
 from types import TracebackType
-from typing import Callable, Optional, Type
+from typing import Any, Callable, Optional, Type
 
 ERROR_FILE_ENV = "FABRICLITE_ERROR_FILE"
 SUPERVISOR_PID_ENV = "FABRICLITE_SUPERVISOR_PID"
@@ -108,6 +108,22 @@ def write_error_file(path: str, exc: BaseException, tb: Optional[TracebackType] 
     with open(tmp, "w") as f:
         json.dump(record, f)
     os.replace(tmp, path)
+
+
+def exit_on_error(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` (an exit handler: ``atexit.register(exit_on_error, fn)``); if it raises, report the error as
+    an uncaught one would be (traceback on stderr, the rank's error file) and end the process with exit code 1.
+    An exception in an atexit handler is otherwise printed and ignored: the process would exit 0."""
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - reported, then the process fails
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        path = os.environ.get(ERROR_FILE_ENV)
+        if path:
+            write_error_file(path, exc)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def record_errors() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Dict, Optional, Union
 
-from fabriclite.checkpoint import manifest
+from fabriclite.checkpoint import latest
 from fabriclite.checkpoint.resume_state import set_strict
 from fabriclite.checkpoint.saving import restore_into, to_saveable
 from fabriclite.strategies.fault_tolerant import FaultTolerantStrategy
@@ -35,10 +35,7 @@ def load_latest(strategy: Any, directory: Union[str, "os.PathLike[str]"], state:
                              lambda received: restore_state(strategy, state, received, strict))
         if step > 0:
             return PEER
-    path = manifest.latest(strategy, directory)
-    if path is not None:
-        load(path)
-    return path
+    return latest.load_latest(strategy, directory, load)
 
 
 def restore_state(strategy: Any, state: Dict[str, Any], checkpoint: Dict[str, Any], strict: bool) -> None:

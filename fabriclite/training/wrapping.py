@@ -190,13 +190,16 @@ class FabricDataLoader:
         self._num_iter_calls, self._skip = int(epoch), 0
 
     def state_dict(self) -> Dict[str, Any]:
-        """``{"epoch": e, "batch": k}``: inside an epoch, the running epoch and the batches it has yielded (a
-        resumed run continues with the next batch, in the same order); between epochs, the next one and 0."""
-        return loader_position.position(self._num_iter_calls, self._consumed, self._skip, _length(self._dataloader))
+        """``{"epoch": e, "batch": k, "world_size": w, "batch_size": b}``: inside an epoch, the running epoch and the
+        batches it has yielded (a resumed run continues with the next batch, in the same order); between epochs,
+        the next one and 0; the sizes the position holds for (``fabriclite.checkpoint.loader_position``)."""
+        return loader_position.position(self._num_iter_calls, self._consumed, self._skip, _length(self._dataloader),
+                                        loader_position.loader_shape(self._dataloader))
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Make the next ``iter()`` resume at ``state`` (an old ``{"epoch": n}`` starts epoch n at batch 0)."""
-        where = loader_position.read_position(state)
+        """Make the next ``iter()`` resume at ``state`` (an old ``{"epoch": n}`` starts epoch n at batch 0); a
+        position inside an epoch saved at another world size or batch size is a ValueError naming both."""
+        where = loader_position.read_position(state, loader_position.loader_shape(self._dataloader))
         self._num_iter_calls, self._skip, self._consumed = where["epoch"], where["batch"], None
 
     def __len__(self) -> int:

@@ -9,6 +9,11 @@ weights to $OUT. Faults are injected from here, at a given step, never by timing
 - FAIL_EARLY=round:rank   that rank exits with code 3 before joining the job in that round (its rendezvous)
 - WAIT_AT=step        rank 0 prints "WAITING" after that step and waits until it has recorded a preemption
                       signal (the test sends SIGUSR1 to the supervisor when it reads the line)
+- KILL_IN_SHARD=step:rank   that rank SIGKILLs itself inside torch.distributed.checkpoint's write of its shard of
+                      that step's checkpoint (round 0; STRATEGY=fsdp)
+
+STRATEGY=fsdp shards the model (FSDPStrategy); ASYNC=1 saves in the background (AsyncCheckpointIO, or
+FSDPStrategy(async_save=True)).
 """
 import os
 import signal
@@ -43,8 +48,22 @@ def pair(name):
     return tuple(int(v) for v in raw.split(":")) if raw else None
 
 
+def make_fabric() -> Fabric:
+    strategy, plugins = os.environ.get("STRATEGY", "auto"), None
+    if os.environ.get("ASYNC") == "1":
+        if strategy == "fsdp":
+            from fabriclite.strategies import FSDPStrategy
+
+            strategy = FSDPStrategy(async_save=True)
+        else:
+            from fabriclite.plugins.io import AsyncCheckpointIO
+
+            plugins = [AsyncCheckpointIO()]
+    return Fabric(accelerator="cpu", strategy=strategy, plugins=plugins)
+
+
 def main() -> None:
-    fabric = Fabric(accelerator="cpu", strategy=os.environ.get("STRATEGY", "auto"))
+    fabric = make_fabric()
     round_env = int(os.environ.get("FABRICLITE_RESTART_COUNT", "0"))
     fail_early = pair("FAIL_EARLY")
     if fail_early and fail_early[0] == round_env and int(os.environ.get("FABRICLITE_RANK", "-1")) == fail_early[1]:
@@ -66,6 +85,9 @@ def main() -> None:
     first_round = fabric.restart_count == 0 or os.environ.get("KILL_ALWAYS") == "1"
     if kill_in_save and fabric.global_rank == 0 and first_round:
         _kill_inside_save(int(kill_in_save), lambda: state["step"])
+    kill_in_shard = pair("KILL_IN_SHARD")
+    if kill_in_shard and fabric.global_rank == kill_in_shard[1] and first_round:
+        _kill_inside_shard(kill_in_shard[0], lambda: state["step"])
     while step < STEPS:
         for x, y in loader:
             loss = nn.functional.cross_entropy(model(x), y)
@@ -89,8 +111,9 @@ def main() -> None:
                 fabric.save(os.path.join(CKPT_DIR, f"step-{step:04d}.ckpt"), state, keep=3)
             if step >= STEPS:
                 break
+    final = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]  # fsdp: gathered
     if fabric.global_rank == 0:
-        torch.save([p.detach() for p in model.parameters()], os.environ["OUT"])
+        torch.save(final, os.environ["OUT"])
     fabric.print(f"DONE round {fabric.restart_count}", flush=True)
 
 
@@ -105,6 +128,21 @@ def _kill_inside_save(at_step, current_step):
         return real_save(obj, f, *args, **kwargs)
 
     torch.save = save
+
+
+def _kill_inside_shard(at_step, current_step):
+    from torch.distributed.checkpoint import filesystem
+
+    real_write = filesystem._write_item
+
+    def write(*args, **kwargs):
+        result = real_write(*args, **kwargs)  # one item of this rank's shard file is written, the rest is not
+        if current_step() == at_step:
+            print(f"KILLED IN SHARD t={time.time()}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    filesystem._write_item = write
 
 
 def _wait_for_preemption():

@@ -64,10 +64,10 @@ def _loader_positions(fabric):
 
 def test_a_mid_epoch_state_resumes_with_the_next_batch_without_loading_the_skipped_ones(pool2):
     for state, epoch, same, loaded_again, after, old_ok in pool2.run(_loader_positions):
-        assert state == {"epoch": 1, "batch": 2} and epoch == 1
+        assert state == {"epoch": 1, "batch": 2, "world_size": 2, "batch_size": 3} and epoch == 1
         assert same, "the resumed epoch is not the rest of the uninterrupted one"
         assert loaded_again == []  # the skipped batches' samples were never loaded
-        assert after == {"epoch": 2, "batch": 0}
+        assert after == {"epoch": 2, "batch": 0, "world_size": 2, "batch_size": 3}
         assert old_ok
 
 

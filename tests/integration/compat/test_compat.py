@@ -4,7 +4,7 @@ usage) run under Lightning Fabric and under fabriclite from the same source, wit
 or its own spawn launcher; 2 CPU ranks, ddp. Their results must be bit-identical: weights, losses, logged
 metric values, return values.
 
-Ten programs. One job per framework and launch mode runs every program of that mode (the four jobs run at
+Eleven programs. One job per framework and launch mode runs every program of that mode (the four jobs run at
 once); each test compares one program's results, rank by rank, and checks something about them that does not
 depend on the other framework (ranks agree after a sync, a resumed run matches the uninterrupted one, ...).
 """
@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 JOB = str(HERE / "job.py")
 FRAMEWORKS = ("lightning.fabric", "fabriclite")
 CLI_PROGRAMS = ["prog_cli_script", "prog_lightning_module", "prog_loggers", "prog_torchmetrics", "prog_callbacks",
-                "prog_checkpoint", "prog_grad_accum", "prog_collectives"]
+                "prog_checkpoint", "prog_checkpoint_io", "prog_grad_accum", "prog_collectives"]
 SPAWN_PROGRAMS = ["prog_launch_spawn", "prog_run_subclass"]
 JOB_TIMEOUT = 480
 
@@ -198,6 +198,18 @@ def test_save_load_resume(results):
         assert not differences(r["resumed_weights"], r["weights"])
         assert r["step"] == 3 and r["remainder"] == {"note": "kept"}
         assert r["full_keys"] == ["model", "note", "optimizer", "step"]
+
+
+def test_a_programs_own_checkpoint_io_writes_and_reads_every_checkpoint(results):
+    ranks = assert_identical(results, "cli", "prog_checkpoint_io")
+    for rank, r in enumerate(ranks):
+        assert torch.equal(r["resumed"], r["continued"]) and not differences(r["resumed_weights"], r["weights"])
+        assert r["step"] == 3 and r["checkpoint_io_is_plugin"]
+        assert r["files"] == ["checkpoint.ckpt.gz", "options.ckpt.gz"]
+        assert sorted(r["written"]) == ["model", "optimizer", "step"] and r["written"]["step"] == 3
+        saves = [("save", "checkpoint.ckpt.gz", None), ("save", "options.ckpt.gz", {"compresslevel": 9})]
+        assert r["calls"] == (saves[:1] if rank == 0 else []) + [("load", "checkpoint.ckpt.gz")] + \
+            (saves[1:] if rank == 0 else [])  # global rank 0 writes, every rank reads
 
 
 def test_gradient_accumulation_no_backward_sync(results):

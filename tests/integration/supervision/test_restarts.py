@@ -1,6 +1,7 @@
 """Restarts under `fabriclite run --max-restarts N`, with real processes on 2 ranks: a rank killed mid-epoch or
-inside a save is restarted and the run ends with the weights of an uninterrupted run, bit for bit; restarts
-used up fail naming the last failure; a failure in a restart's rendezvous counts as a round; bad flags."""
+inside a save is restarted and the run ends with the weights of an uninterrupted run, bit for bit (with
+synchronous saves, and with asynchronous ones: AsyncCheckpointIO); restarts used up fail naming the last failure;
+a failure in a restart's rendezvous counts as a round; bad flags."""
 from __future__ import annotations
 
 import json
@@ -28,9 +29,10 @@ BAD_FLAGS = [
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
-    """Every job of this module at once (and the uninterrupted reference run if no test made it yet): name ->
-    (CompletedProcess, its directory)."""
-    names = ("kill", "save", "used_up", "rendezvous", "reference", *(f"bad_{i}" for i in range(len(BAD_FLAGS))))
+    """Every job of this module (and the uninterrupted reference run if no test made it yet), at once in two
+    waves: name -> (CompletedProcess, its directory)."""
+    names = ("kill", "save", "kill_async", "save_async", "used_up", "rendezvous", "reference",
+             *(f"bad_{i}" for i in range(len(BAD_FLAGS))))
     tmp = {name: tmp_path_factory.mktemp(name) for name in names}
 
     def job(name, flags, **env):
@@ -51,6 +53,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
                                    text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
                                                    "FABRICLITE_RESTART_BACKOFF": "0.05"})
     done = run_many(specs)
+    done.update(run_many({  # a second wave: ten jobs at once outlast the deadline on a loaded 2-core machine
+        "kill_async": job("kill_async", ["--max-restarts", "2"], KILL_AT="13:1", ASYNC="1"),
+        "save_async": job("save_async", ["--max-restarts", "1"], KILL_IN_SAVE="15", ASYNC="1"),  # in the background
+    }))
     out, err = script_mode.communicate(timeout=240)
     done["script_mode"] = subprocess.CompletedProcess(script_mode.args, script_mode.returncode, out, err)
     tmp["script_mode"] = tmp["kill"]
@@ -59,23 +65,29 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, tuple]:
     return {name: (result, tmp[name]) for name, result in done.items()}
 
 
-def test_a_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_weights(jobs):
-    done, tmp_path = jobs["kill"]
+@pytest.mark.parametrize("saves", ["", "_async"], ids=["sync", "async"])
+def test_a_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_weights(jobs, saves):
+    done, tmp_path = jobs["kill" + saves]
     assert done.returncode == 0, done.stderr
     err = done.stderr
     assert "rank 1 (local rank 1, node 0) was killed by SIGKILL" in err  # the failure, printed when it happened
     assert "restarting every rank in 0.05 s (round 1, restart 1 of 2)" in err
     assert "round 0: failed: rank 1 (local rank 1, node 0) was killed by SIGKILL" in err  # the final summary
     assert "round 1: succeeded" in err
-    assert "ROUND 1 resumed from step-0010.ckpt at step 10" in done.stdout  # step 10 is mid-epoch (8 a epoch)
+    # step 10 is mid-epoch (8 a epoch); an asynchronous save of step 10 may still be in flight when rank 1 dies at
+    # step 13: then it never counts, and the newest complete checkpoint is step 5's
+    resumed = ["ROUND 1 resumed from step-0010.ckpt at step 10"] + (
+        ["ROUND 1 resumed from step-0005.ckpt at step 5"] if saves else [])
+    assert any(line in done.stdout for line in resumed), done.stdout
     assert same(weights(str(tmp_path / "w.pt")), REFERENCE[0])
     kept = json.loads((tmp_path / "ckpt" / "fabriclite-manifest.json").read_text())["checkpoints"]
     assert [e["name"] for e in kept] == ["step-0010.ckpt", "step-0015.ckpt", "step-0020.ckpt"]
     assert len({e["run_id"] for e in kept}) == 1  # one run id across the rounds
 
 
-def test_a_rank_killed_inside_a_save_is_restarted_and_ends_with_the_uninterrupted_weights(jobs):
-    done, tmp_path = jobs["save"]
+@pytest.mark.parametrize("saves", ["", "_async"], ids=["sync", "async"])
+def test_a_rank_killed_inside_a_save_is_restarted_and_ends_with_the_uninterrupted_weights(jobs, saves):
+    done, tmp_path = jobs["save" + saves]
     assert done.returncode == 0, done.stderr
     assert "rank 0 (local rank 0, node 0) was killed by SIGKILL" in done.stderr
     assert "ROUND 1 resumed from step-0010.ckpt at step 10" in done.stdout  # the half-written 15 never counted

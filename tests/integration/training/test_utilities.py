@@ -156,13 +156,18 @@ def test_find_usable_cuda_devices():
             find_usable_cuda_devices(1)
 
 
-def test_strategies_take_lightnings_positional_order_and_reject_checkpoint_io():
+def test_strategies_take_lightnings_positional_order_and_a_checkpoint_io():
     precision = HalfPrecision("bf16-true")
     ddp = DDPStrategy(None, None, None, None, precision, "gloo")
     assert ddp.precision is precision and ddp.process_group_backend == "gloo"
     assert SingleDeviceStrategy("cpu", None, None, precision).precision is precision
+    from fabriclite.plugins.io import TorchCheckpointIO
+
     for make in (lambda io: DDPStrategy(checkpoint_io=io), lambda io: SingleDeviceStrategy(checkpoint_io=io)):
-        with pytest.raises(ValueError, match="checkpoint_io=.*docs/compat.md"):
+        io = TorchCheckpointIO()
+        assert make(io).checkpoint_io is io
+        assert type(make(None).checkpoint_io) is TorchCheckpointIO  # Lightning's default
+        with pytest.raises(TypeError, match="checkpoint_io=<object .* is not a CheckpointIO"):
             make(object())
 
 
