@@ -301,6 +301,17 @@ def render(per_rank: List[Dict[str, Any]], configs: List[str], params: int, args
     if "fabriclite fsdp sync" in facts and "DCP by hand sync" in facts:
         peers.append(f"fabriclite fsdp sync save call / DCP by hand: "
                      f"{facts['fabriclite fsdp sync']['call'] / facts['DCP by hand sync']['call']:.2f}")
+    for name, sync, run in (("ddp", "fabriclite ddp sync", "fabriclite ddp async"),
+                            ("fsdp", "fabriclite fsdp sync", "fabriclite fsdp async")):
+        if sync in facts and run in facts:  # the same figures with their units, for prose to quote
+            peers.append(f"{name}: an asynchronous save call blocks {facts[run]['call'] * 1e3:.0f} ms against "
+                         f"{facts[sync]['call'] * 1e3:.0f} ms synchronous, its snapshot "
+                         f"{facts[run]['snapshot'] / 2**20:.0f} MiB, its stall {facts[run]['stall'] * 1e3:.0f} ms per "
+                         f"save ({facts[run]['stall'] / facts[sync]['call']:.2f}x the synchronous save call)")
+    if "DCP by hand async" in facts and "DCP by hand sync" in facts:
+        peers.append(f"the floor, DCP's async_save by hand: stall "
+                     f"{facts['DCP by hand async']['stall'] / facts['DCP by hand sync']['call']:.2f}x its synchronous "
+                     f"save call")
     command = "python benchmarks/checkpoint.py " + " ".join(f"--{k} {v}" for k, v in (
         ("width", args.width), ("layers", args.layers), ("steps", args.steps), ("every", args.every)))
     header = (f"# Checkpoint saves: synchronous vs asynchronous\n\n"
