@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import table  # noqa: E402
+from common import Results, table  # noqa: E402
 
 CONFIGS = ("fabriclite ddp sync", "fabriclite ddp async", "Lightning ddp (peer)", "fabriclite fsdp sync",
            "fabriclite fsdp async", "DCP by hand sync", "DCP by hand async")
@@ -254,25 +254,24 @@ def main() -> None:
     from fabriclite import Fabric
 
     params = sum(p.numel() for p in build(args.width, args.layers).parameters())
-    load_before = os.getloadavg()
-    started = time.time()
+    results = Results("checkpoint")
     per_rank = Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch(
         worker, args.width, args.layers, args.steps, args.every, configs)
-    elapsed, load_after = time.time() - started, os.getloadavg()
-    text = render(per_rank, configs, params, args, load_before, load_after, elapsed)
-    print(text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text + "\n")
-    print(f"written to {args.out}")
+    body = render(per_rank, configs, args)
+    print(body)
+    saves = args.steps // args.every
+    results.write(body, extra=[("cpu", cpu_model()), ("model", f"{args.layers} x Linear({args.width}, {args.width}), "
+                                                               f"{params / 1e6:.1f} M parameters, AdamW; 2 CPU ranks "
+                                                               f"(gloo), batch {BATCH}; {args.steps} steps, a save "
+                                                               f"every {args.every} ({saves} saves)")],
+                  path=args.out)
 
 
 SYNC_OF = {"fabriclite ddp async": "fabriclite ddp sync", "fabriclite fsdp async": "fabriclite fsdp sync",
            "DCP by hand async": "DCP by hand sync"}
 
 
-def render(per_rank: List[Dict[str, Any]], configs: List[str], params: int, args: Any,
-           load_before: Tuple[float, ...], load_after: Tuple[float, ...], elapsed: float) -> str:
+def render(per_rank: List[Dict[str, Any]], configs: List[str], args: Any) -> str:
     saves = args.steps // args.every
     facts: Dict[str, Dict[str, float]] = {}
     for config in configs:
@@ -312,18 +311,6 @@ def render(per_rank: List[Dict[str, Any]], configs: List[str], params: int, args
         peers.append(f"the floor, DCP's async_save by hand: stall "
                      f"{facts['DCP by hand async']['stall'] / facts['DCP by hand sync']['call']:.2f}x its synchronous "
                      f"save call")
-    command = "python benchmarks/checkpoint.py " + " ".join(f"--{k} {v}" for k, v in (
-        ("width", args.width), ("layers", args.layers), ("steps", args.steps), ("every", args.every)))
-    header = (f"# Checkpoint saves: synchronous vs asynchronous\n\n"
-              f"Command: `{command}`  \n"
-              f"Date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  \n"
-              f"Machine: {os.cpu_count()} CPUs ({cpu_model()}), load average "
-              f"{load_before[0]:.1f} / {load_before[1]:.1f} / {load_before[2]:.1f} before, {load_after[0]:.1f} / "
-              f"{load_after[1]:.1f} / {load_after[2]:.1f} after  \n"
-              f"torch {torch.__version__}, Python {platform.python_version()}  \n"
-              f"Model: {args.layers} x Linear({args.width}, {args.width}), {params / 1e6:.1f} M parameters, AdamW; "
-              f"2 CPU ranks (gloo), batch {BATCH}; {args.steps} steps, a save every {args.every} ({saves} saves); "
-              f"{elapsed:.0f} s in all.\n\n")
     notes = ("\n\n" + "; ".join(peers) + "." if peers else "") + (
         "\n\nsave call: how long one save blocks the training loop (median over the saves, slower rank). stall per "
         "save: (steps with saves, the final wait included) minus (as many steps without, before and after), per save: "
@@ -332,7 +319,7 @@ def render(per_rank: List[Dict[str, Any]], configs: List[str], params: int, args
         "synchronous save call of the same strategy (goal <= 0.15). snapshot: bytes an asynchronous save copies on "
         "the rank that copies most; peak RSS rise: over the starting RSS during the run with saves (sampled every "
         "5 ms). final weights: the same for every configuration of a strategy means saving did not change training.")
-    return header + table(headers, rows) + notes
+    return table(headers, rows) + notes
 
 
 if __name__ == "__main__":
