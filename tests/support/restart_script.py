@@ -12,6 +12,9 @@ weights to $OUT. Faults are injected from here, at a given step, never by timing
 - KILL_IN_SHARD=step:rank   that rank SIGKILLs itself inside torch.distributed.checkpoint's write of its shard of
                       that step's checkpoint (round 0; STRATEGY=fsdp)
 
+PHASES=1 prints "PHASE <name> rank=<r> t=<unix time>" on every rank at: the process's start (from /proc), its imports
+done, launch() done, setup done and load_latest done (benchmarks/fault_tolerance.py's restart breakdown).
+
 STRATEGY=fsdp shards the model (FSDPStrategy); ASYNC=1 saves in the background (AsyncCheckpointIO, or
 FSDPStrategy(async_save=True)).
 """
@@ -62,13 +65,31 @@ def make_fabric() -> Fabric:
     return Fabric(accelerator="cpu", strategy=strategy, plugins=plugins)
 
 
+def process_start() -> float:
+    """This process's start, Unix time (Linux /proc; 10 ms resolution)."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def phase(name, at=None):
+    if os.environ.get("PHASES") == "1":
+        rank = os.environ.get("FABRICLITE_RANK", os.environ.get("RANK", "?"))
+        print(f"PHASE {name} rank={rank} t={time.time() if at is None else at}", flush=True)
+
+
 def main() -> None:
+    phase("start", process_start())
+    phase("imported")
     fabric = make_fabric()
     round_env = int(os.environ.get("FABRICLITE_RESTART_COUNT", "0"))
     fail_early = pair("FAIL_EARLY")
     if fail_early and fail_early[0] == round_env and int(os.environ.get("FABRICLITE_RANK", "-1")) == fail_early[1]:
         sys.exit(3)  # before launch(): the others wait for this rank in the round's rendezvous
     fabric.launch()
+    phase("launched")
     fabric.seed_everything(1234, verbose=False)
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -77,7 +98,9 @@ def main() -> None:
     loader = fabric.setup_dataloaders(DataLoader(Points(), batch_size=4, shuffle=True))
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "step": 0,
              "resume": fabric.resume_state()}
+    phase("set_up")
     resumed = fabric.load_latest(CKPT_DIR, state)
+    phase("resumed")
     step = state["step"]
     fabric.print(f"ROUND {fabric.restart_count} resumed from {os.path.basename(resumed) if resumed else None} "
                  f"at step {step} t={time.time()}", flush=True)
