@@ -114,9 +114,9 @@ def restart_2ranks() -> Dict[str, float]:
         assert proc.returncode == 0, text[-3000:]
     killed = float(re.search(r"KILLED t=([\d.]+)", text).group(1))
     notice = next(t for t, line in lines if "restarting every rank in" in line)
-    before = next(kids for t, kids in seen if t >= killed)  # round 0's ranks (and any helper that stays)
-    last = seen[-1][1] if seen[-1][1] else seen[-2][1]
-    round0 = set(before) - set(last)
+    before = next(kids for t, kids in seen if t >= killed)  # round 0's ranks and the reaper, which stays
+    stays = set.intersection(*(set(kids) for t, kids in seen if t >= killed and kids))
+    round0 = set(before) - stays
     stopped = next(t for t, kids in seen if t > killed and not round0 & set(kids))
     spawned = next(t for t, kids in seen if t > stopped and set(kids) - set(before))
     stamps: Dict[str, List[float]] = {}
