@@ -6,6 +6,7 @@ Live recovery (`fabriclite run --fault-tolerant`, torchft 0.2.0), 3 local nodes 
 - steps/s with --fault-tolerant and no fault against plain `ddp` on the same 3 x 1 layout (same script), for the
   tiny MLP the tests use (a step of a few ms: the quorum's fixed cost shows) and a larger one (FT_WIDTH=1024,
   FT_BATCH=512: a step of tens of ms, under which the asynchronous quorum hides);
+  and torchft by hand on the same layout and model (BY_HAND: the floor of the mode);
 - a node SIGKILLed at a step: the healthy nodes' longest gap between committed steps, the failed node's time from
   its new process's start to its first committed step after healing, and from the kill to that step;
 - the stop-the-world path on the same job (plain ddp, `--max-restarts 1`): the kill to the new round's first step.
@@ -60,6 +61,52 @@ barrier = timed(fabric.barrier, 300)
 resume = timed(state.state_dict, 100)
 if fabric.global_rank == 0:
     print(f"COSTS check_preempted={check:.0f}us barrier={barrier:.0f}us resume_state={resume:.0f}us", flush=True)
+"""
+#: torchft by hand (the floor of the --fault-tolerant rows): one replica group per process, its own TCPStore,
+#: torchft's Manager (the same lighthouse settings, async quorum, process-group transport), DDP and optimizer
+#: wrappers, the lane script's model, data and loop; one line "BYHAND <steps/s>" from each group
+BY_HAND = r"""
+import os, sys, time
+from datetime import timedelta
+import torch, torch._dynamo
+from torch import nn
+from torch.distributed import TCPStore
+from torchft.checkpointing.pg_transport import PGTransport
+from torchft.ddp import DistributedDataParallel
+from torchft.manager import Manager
+from torchft.optim import OptimizerWrapper
+from torchft.process_group import ProcessGroupGloo
+
+group, lighthouse, steps, skip = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+width, batch = int(os.environ.get("FT_WIDTH", "32")), int(os.environ.get("FT_BATCH", "32"))
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+torch.manual_seed(1234 + group)
+model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+state = {"step": 0}
+pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+manager = Manager(
+    pg=pg, load_state_dict=lambda d: (model.load_state_dict(d["model"]), optimizer.load_state_dict(d["opt"])),
+    state_dict=lambda: {"model": model.state_dict(), "opt": optimizer.state_dict()}, min_replica_size=1,
+    use_async_quorum=True, timeout=timedelta(seconds=30), quorum_timeout=timedelta(seconds=60),
+    connect_timeout=timedelta(seconds=30), rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
+    lighthouse_addr=f"http://{lighthouse}", replica_id=f"group_{group}", hostname="127.0.0.1",
+    checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=30), device=torch.device("cpu")), init_sync=True)
+ddp = DistributedDataParallel(manager, model)
+opt = OptimizerWrapper(manager, optimizer)
+times = []
+while manager.current_step() < steps:
+    opt.zero_grad()
+    gen = torch.Generator().manual_seed(100_000 * group + state["step"])
+    x = torch.randn(batch, 16, generator=gen)
+    loss = ((ddp(x) - x.sum(1, keepdim=True).tanh()) ** 2).mean()
+    loss.backward()
+    opt.step()
+    state["step"] = manager.current_step()
+    times.append(time.time())
+times = times[skip:]
+print(f"BYHAND {(len(times) - 1) / (times[-1] - times[0]):.3f}", flush=True)
+manager.shutdown(wait=False)
 """
 STEPS = 300
 #: the larger MLP (16 -> 1024 -> 1024 -> 1, batch 512)
@@ -134,6 +181,38 @@ def restart_2ranks() -> Dict[str, float]:
     return {k: v - killed for k, v in out.items()}
 
 
+def by_hand(env: Dict[str, str], steps: int) -> float:
+    """torchft by hand (BY_HAND) on 3 local groups with its lighthouse: group 0's steps/s after 20 warm-up steps."""
+    from fabriclite.supervision import lighthouse as lh
+    from helpers import free_port
+
+    port = free_port()
+    command = [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"), "--bind", f"[::]:{port}",
+               "--min_replicas", "1", "--join_timeout_ms", str(lh.JOIN_TIMEOUT_MS), "--quorum_tick_ms",
+               str(lh.QUORUM_TICK_MS), "--heartbeat_timeout_ms", str(lh.HEARTBEAT_TIMEOUT_MS)]
+    house = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **env}
+    with tempfile.TemporaryDirectory() as tmp:  # files, not pipes: a pipe nobody reads yet fills and blocks its group
+        logs = [open(os.path.join(tmp, f"group{g}.log"), "w+") for g in range(3)]
+        try:
+            groups = [subprocess.Popen([sys.executable, "-c", BY_HAND, str(g), f"127.0.0.1:{port}", str(steps), "20"],
+                                       env=full, stdout=log, stderr=subprocess.STDOUT, text=True)
+                      for g, log in enumerate(logs)]
+            for g in groups:
+                g.wait(timeout=600)
+        finally:
+            house.kill()
+            house.wait()
+        outs = []
+        for log in logs:
+            log.seek(0)
+            outs.append(log.read())
+            log.close()
+    for g, out in zip(groups, outs):
+        assert g.returncode == 0, out[-3000:]
+    return float(re.search(r"BYHAND ([\d.]+)", outs[0]).group(1))
+
+
 RESUMED = "load_latest() has loaded the latest checkpoint on every rank"
 
 
@@ -203,7 +282,7 @@ def main() -> None:
                          "benchmarks/fault_tolerance.py") from None
     results = Results("fault_tolerance")
     ft_rate, ddp_rate, gaps, heal, kill_to_step, stw, restart2 = [], [], [], [], [], [], []
-    big_ft, big_ddp = [], []
+    big_ft, big_ddp, hand, big_hand = [], [], [], []
     kill = {"FT_KILL_GROUP": "2", "FT_KILL_STEP": str(KILL_STEP), "FABRICLITE_RESTART_BACKOFF": "0.05"}
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
@@ -211,6 +290,8 @@ def main() -> None:
             ft_rate.append(steps_per_s(job(Path(tmp) / "ft", True, {})[0]))
             big_ddp.append(steps_per_s(job(Path(tmp) / "bigddp", False, BIG, steps=BIG_STEPS)[0]))
             big_ft.append(steps_per_s(job(Path(tmp) / "bigft", True, BIG, steps=BIG_STEPS)[0]))
+            hand.append(by_hand({}, STEPS))
+            big_hand.append(by_hand(BIG, BIG_STEPS))
             gap, to_step, from_kill = fault_figures(job(Path(tmp) / "ftkill", True, kill, ["--max-restarts", "1"]), 2)
             gaps.append(gap), heal.append(to_step), kill_to_step.append(from_kill)
             stw.append(stop_the_world(job(Path(tmp) / "ddpkill", False, {**kill, "FT_WAIT_BACK": ""},
@@ -228,9 +309,13 @@ def main() -> None:
          f"{med(ft_rate):.1f} / {med(ddp_rate):.1f} = **{med(ft_rate) / med(ddp_rate):.2f}x**"),
         ("... per-step cost of the quorum and commit there (1/ft - 1/ddp)",
          f"{(1 / med(ft_rate) - 1 / med(ddp_rate)) * 1e3:.1f} ms"),
+        ("... torchft by hand there (the floor: Manager, DDP and optimizer wrappers, same lighthouse settings): "
+         "steps/s, and `--fault-tolerant` / by hand", f"{med(hand):.1f}; **{med(ft_rate) / med(hand):.2f}x**"),
         ("steps/s, same layout, larger MLP (16-1024-1024-1, batch 512): `--fault-tolerant` / plain `ddp`",
          f"{med(big_ft):.2f} / {med(big_ddp):.2f} = **{med(big_ft) / med(big_ddp):.2f}x**"),
         ("... per-step cost there (1/ft - 1/ddp)", f"{(1 / med(big_ft) - 1 / med(big_ddp)) * 1e3:.1f} ms"),
+        ("... torchft by hand there: steps/s, and `--fault-tolerant` / by hand",
+         f"{med(big_hand):.2f}; **{med(big_ft) / med(big_hand):.2f}x**"),
         (f"node 2 SIGKILLed at step {KILL_STEP}: healthy nodes' longest gap between committed steps",
          f"{med(gaps):.2f} s"),
         ("... the failed node's new process start -> its first committed step (healed from a peer)",
