@@ -213,6 +213,12 @@ def by_hand(env: Dict[str, str], steps: int) -> float:
     return float(re.search(r"BYHAND ([\d.]+)", outs[0]).group(1))
 
 
+def floor_ratio(rate: float, floor_rate: float) -> str:
+    """fabriclite's steps/s over the floor's as "0.96x"; "check the floor" where fabriclite came out faster (a
+    floor that is beaten is not one: the measurement needs a look, not the code)."""
+    return "check the floor" if rate > floor_rate else f"{rate / floor_rate:.2f}x"
+
+
 RESUMED = "load_latest() has loaded the latest checkpoint on every rank"
 
 
@@ -310,12 +316,12 @@ def main() -> None:
         ("... per-step cost of the quorum and commit there (1/ft - 1/ddp)",
          f"{(1 / med(ft_rate) - 1 / med(ddp_rate)) * 1e3:.1f} ms"),
         ("... torchft by hand there (the floor: Manager, DDP and optimizer wrappers, same lighthouse settings): "
-         "steps/s, and `--fault-tolerant` / by hand", f"{med(hand):.1f}; **{med(ft_rate) / med(hand):.2f}x**"),
+         "steps/s, and `--fault-tolerant` / by hand", f"{med(hand):.1f}; **{floor_ratio(med(ft_rate), med(hand))}**"),
         ("steps/s, same layout, larger MLP (16-1024-1024-1, batch 512): `--fault-tolerant` / plain `ddp`",
          f"{med(big_ft):.2f} / {med(big_ddp):.2f} = **{med(big_ft) / med(big_ddp):.2f}x**"),
         ("... per-step cost there (1/ft - 1/ddp)", f"{(1 / med(big_ft) - 1 / med(big_ddp)) * 1e3:.1f} ms"),
         ("... torchft by hand there: steps/s, and `--fault-tolerant` / by hand",
-         f"{med(big_hand):.2f}; **{med(big_ft) / med(big_hand):.2f}x**"),
+         f"{med(big_hand):.2f}; **{floor_ratio(med(big_ft), med(big_hand))}**"),
         (f"node 2 SIGKILLed at step {KILL_STEP}: healthy nodes' longest gap between committed steps",
          f"{med(gaps):.2f} s"),
         ("... the failed node's new process start -> its first committed step (healed from a peer)",
