@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -134,8 +135,6 @@ def restart_2ranks() -> Dict[str, float]:
     when each part of the stop-the-world restart ended, in seconds after the kill. The supervisor's children
     are polled every 5 ms (the surviving rank's exit, the new ranks' start), its stderr lines are stamped as
     they arrive (the restart notice), and the ranks print PHASE stamps (tests/support/restart_script.py)."""
-    import threading
-
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PHASES": "1",
                "CKPT_DIR": os.path.join(tmp, "ckpt"), "OUT": os.path.join(tmp, "w.pt"), "KILL_AT": "13:1"}
