@@ -48,8 +48,9 @@ POLL_S = 0.05
 #: can take its teardown's 2 s bound on gloo's workers plus a loaded interpreter's exit (at 1 s, a load-20 run named
 #: the lost-peer rank as the cause). It ends as soon as a real cause is seen here or on another node.
 SECONDARY_WAIT_S = 5.0
-#: how long a rank that raised may take to exit by itself before it counts as failed anyway
-RAISED_GRACE_S = 0.25
+#: how long a rank that raised may take to exit by itself before it counts as failed, and what it gets beyond the
+#: grace after SIGTERM (it is exiting already; its teardown may wait up to 2 s for gloo's workers: gloo_exit)
+RAISED_GRACE_S, EXITING_S = 0.25, 2.0
 REMOTE_POLL_S = 0.5
 DEFAULT_MULTI_NODE_PORT = 29500
 
@@ -66,8 +67,7 @@ class Supervisor:
     """Runs this node's ranks: ``run(start)`` calls ``start(local_rank, env)`` once per local rank
     and returns the node's exit code (0 only when every rank here exited 0 and no node failed).
 
-    ``summary`` holds the one report of a failed job (printed to stderr when ``report``);
-    ``grace_s``: how long stopped ranks get between SIGTERM and SIGKILL."""
+    ``summary``: the one report of a failed job; ``grace_s``: stopped ranks' time from SIGTERM to SIGKILL."""
 
     def __init__(
         self,
@@ -359,8 +359,8 @@ class Supervisor:
             open(self._stop_marker, "w").close()  # ranks that record SIGTERM: this one means "end now"
         for worker in alive.values():
             kill_group(worker.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        while any(w.poll() is None for w in alive.values()) and time.monotonic() < deadline:
+        start, limit = time.monotonic(), {r: self.grace_s + (EXITING_S if r in self._raised_at else 0) for r in alive}
+        while any(w.poll() is None and time.monotonic() - start < limit[r] for r, w in alive.items()):
             time.sleep(0.02)
         stubborn = [self.layout.global_rank(r) for r, w in alive.items() if w.poll() is None]
         if stubborn and self.summary:

@@ -272,3 +272,35 @@ def test_ranks_that_ignore_sigterm_are_killed_and_named(tmp_path) -> None:
     assert supervisor.summary.splitlines()[0] == "fabriclite: the job failed: rank 0 (local rank 0, node 0) exited " \
                                                  "with code 4."
     assert "ranks [1] did not end within 0.5 s of SIGTERM and were killed (SIGKILL)." in supervisor.summary
+
+
+def test_a_rank_that_raised_gets_its_teardown_time_beyond_the_grace(tmp_path) -> None:
+    """A rank that raised is exiting already (its teardown may wait up to 2 s for gloo's workers): after SIGTERM it
+    gets the grace plus EXITING_S before SIGKILL. Here it needs 1.5 s to exit with a 0.5 s grace, and is not killed;
+    the test fails with the grace alone (the summary then names it as SIGKILLed)."""
+    import sys
+
+    from fabriclite.launchers.subprocess_script import PopenWorker
+    from fabriclite.supervision.node_layout import NodeLayout
+    from fabriclite.supervision.output_forwarding import OutputOptions
+    from fabriclite.supervision.rank_child import ERROR_FILE_ENV
+    from fabriclite.supervision.supervisor import EXITING_S, Supervisor
+
+    assert EXITING_S > 1.5 - 0.5  # the slow exit below fits the extra time and not the grace alone
+    code = ("import os, signal, time\n"
+            "from fabriclite.supervision.rank_child import write_error_file\n"
+            "if os.environ['FABRICLITE_RANK'] == '0':\n"
+            "    time.sleep(60)\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a rank deep in its teardown: it ends when it ends\n"
+            f"write_error_file(os.environ[{ERROR_FILE_ENV!r}], ValueError('rank 1 fails on purpose'))\n"
+            "time.sleep(0.25 + 1.5)  # the supervisor counts it failed after RAISED_GRACE_S, then SIGTERMs it\n"
+            "raise SystemExit(1)\n")
+    layout = NodeLayout(num_nodes=1, node_rank=0, local_world_size=2)
+    supervisor = Supervisor(layout, "127.0.0.1", 0, timedelta(seconds=10), OutputOptions(), grace_s=0.5,
+                            report=False)
+    start = time.monotonic()
+    exit_code = supervisor.run(lambda local_rank, env: PopenWorker([sys.executable, "-c", code], env,
+                                                                   supervisor.output, local_rank))
+    assert exit_code == 1 and time.monotonic() - start < 10
+    assert "rank 1 (local rank 1, node 0) raised ValueError: rank 1 fails on purpose" in supervisor.summary
+    assert "did not end within" not in supervisor.summary, supervisor.summary
