@@ -246,13 +246,25 @@ def test_a_signal_ends_the_wait_for_node_0s_store() -> None:
     assert supervisor.summary == "fabriclite: stopped every rank on node 1 on SIGINT."
 
 
-def test_ranks_that_ignore_sigterm_are_killed_and_named(tmp_path) -> None:
+def _two_ranks(code: str, grace_s: float):
+    """Run ``python -c code`` as 2 ranks under a real Supervisor: (supervisor, exit code, seconds taken)."""
     import sys
 
-    from fabriclite.supervision.output_forwarding import OutputOptions
     from fabriclite.launchers.subprocess_script import PopenWorker
     from fabriclite.supervision.node_layout import NodeLayout
+    from fabriclite.supervision.output_forwarding import OutputOptions
     from fabriclite.supervision.supervisor import Supervisor
+
+    layout = NodeLayout(num_nodes=1, node_rank=0, local_world_size=2)
+    supervisor = Supervisor(layout, "127.0.0.1", 0, timedelta(seconds=10), OutputOptions(), grace_s=grace_s,
+                            report=False)
+    start = time.monotonic()
+    exit_code = supervisor.run(lambda local_rank, env: PopenWorker([sys.executable, "-c", code], env,
+                                                                   supervisor.output, local_rank))
+    return supervisor, exit_code, time.monotonic() - start
+
+
+def test_ranks_that_ignore_sigterm_are_killed_and_named(tmp_path) -> None:
 
     ignoring = str(tmp_path / "rank1-ignores-sigterm")  # rank 0 fails only once rank 1 ignores SIGTERM (on a loaded
     code = ("import os, signal, time\n"  # machine rank 0 could otherwise fail before rank 1 got that far)
@@ -262,13 +274,8 @@ def test_ranks_that_ignore_sigterm_are_killed_and_named(tmp_path) -> None:
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
             f"open({ignoring!r}, 'w').close()\n"
             "time.sleep(60)\n")
-    layout = NodeLayout(num_nodes=1, node_rank=0, local_world_size=2)
-    supervisor = Supervisor(layout, "127.0.0.1", 0, timedelta(seconds=10), OutputOptions(), grace_s=0.5,
-                            report=False)
-    start = time.monotonic()
-    exit_code = supervisor.run(lambda local_rank, env: PopenWorker([sys.executable, "-c", code], env,
-                                                                   supervisor.output, local_rank))
-    assert exit_code == 4 and time.monotonic() - start < 5
+    supervisor, exit_code, took = _two_ranks(code, grace_s=0.5)
+    assert exit_code == 4 and took < 5
     assert supervisor.summary.splitlines()[0] == "fabriclite: the job failed: rank 0 (local rank 0, node 0) exited " \
                                                  "with code 4."
     assert "ranks [1] did not end within 0.5 s of SIGTERM and were killed (SIGKILL)." in supervisor.summary
@@ -278,13 +285,8 @@ def test_a_rank_that_raised_gets_its_teardown_time_beyond_the_grace(tmp_path) ->
     """A rank that raised is exiting already (its teardown may wait up to 2 s for gloo's workers): after SIGTERM it
     gets the grace plus EXITING_S before SIGKILL. Here it needs 1.5 s to exit with a 0.5 s grace, and is not killed;
     the test fails with the grace alone (the summary then names it as SIGKILLed)."""
-    import sys
-
-    from fabriclite.launchers.subprocess_script import PopenWorker
-    from fabriclite.supervision.node_layout import NodeLayout
-    from fabriclite.supervision.output_forwarding import OutputOptions
     from fabriclite.supervision.rank_child import ERROR_FILE_ENV
-    from fabriclite.supervision.supervisor import EXITING_S, Supervisor
+    from fabriclite.supervision.supervisor import EXITING_S
 
     assert EXITING_S > 1.5 - 0.5  # the slow exit below fits the extra time and not the grace alone
     code = ("import os, signal, time\n"
@@ -295,12 +297,7 @@ def test_a_rank_that_raised_gets_its_teardown_time_beyond_the_grace(tmp_path) ->
             f"write_error_file(os.environ[{ERROR_FILE_ENV!r}], ValueError('rank 1 fails on purpose'))\n"
             "time.sleep(0.25 + 1.5)  # the supervisor counts it failed after RAISED_GRACE_S, then SIGTERMs it\n"
             "raise SystemExit(1)\n")
-    layout = NodeLayout(num_nodes=1, node_rank=0, local_world_size=2)
-    supervisor = Supervisor(layout, "127.0.0.1", 0, timedelta(seconds=10), OutputOptions(), grace_s=0.5,
-                            report=False)
-    start = time.monotonic()
-    exit_code = supervisor.run(lambda local_rank, env: PopenWorker([sys.executable, "-c", code], env,
-                                                                   supervisor.output, local_rank))
-    assert exit_code == 1 and time.monotonic() - start < 10
+    supervisor, exit_code, took = _two_ranks(code, grace_s=0.5)
+    assert exit_code == 1 and took < 10
     assert "rank 1 (local rank 1, node 0) raised ValueError: rank 1 fails on purpose" in supervisor.summary
     assert "did not end within" not in supervisor.summary, supervisor.summary
