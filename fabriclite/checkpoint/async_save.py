@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from fabriclite.checkpoint import integrity
-from fabriclite.checkpoint.atomic import raise_failure, remove_path, swap_in, tmp_name
+from fabriclite.checkpoint.atomic import outcome, raise_failure, remove_path, swap_in, tmp_name
 from fabriclite.checkpoint.checkpoint_io import CheckpointIO, PathLike, TorchCheckpointIO
 
 #: what runs once a checkpoint is complete on every rank (global rank 0): its files' digests -> None
@@ -204,15 +204,14 @@ class AsyncShardedSaves:
                 except BaseException as err:  # noqa: BLE001 - DCP's errors are BaseExceptions
                     write_errors.raise_recorded(path, err)
                     raise
-                writer.write_metadata(metadata, tmp)
+                writer.write_metadata(metadata, tmp, path)
                 if on_complete is not None:
                     names = integrity.files_of(parent, os.path.basename(tmp))
                     mine = {_renamed(rel, name): d for rel, d in integrity.digests(parent, names, rank, world).items()}
             except BaseException as err:  # noqa: BLE001 - every rank must hear of it
                 error = err
-            gathered = _all_gather(group, world, (mine, None if error is None else (
-                f"{type(error).__name__}: {error}", isinstance(error, OSError))))
-            outcomes = [outcome for _, outcome in gathered]
+            gathered = _all_gather(group, world, (mine, outcome(error, rank)))
+            outcomes = [told for _, told in gathered]
             final: Optional[str] = None
             if rank == 0:
                 if any(outcomes):

@@ -48,8 +48,7 @@ def publish(strategy: Any, path: PathLike, write: Callable[[str], None], tmp_tag
         if not isinstance(err, Exception) and type(err).__name__ != "CheckpointException":
             raise  # KeyboardInterrupt, SystemExit (torch.distributed.checkpoint's errors are BaseExceptions)
         error = err
-    outcomes = strategy.all_gather_object(None if error is None else (f"{type(error).__name__}: {error}",
-                                                                       isinstance(error, OSError)))
+    outcomes = strategy.all_gather_object(outcome(error, strategy.global_rank))
     if any(outcomes):
         if strategy.is_global_zero:
             remove_path(tmp)
@@ -59,11 +58,24 @@ def publish(strategy: Any, path: PathLike, write: Callable[[str], None], tmp_tag
             swap_in(tmp, path)
 
 
+def outcome(error: Optional[BaseException], rank: int) -> Optional[Tuple[str, bool]]:
+    """What rank ``rank`` tells the others of its write: None when it did not fail, else ``(message, is an
+    OSError)``. A torch.distributed.checkpoint error that lists only other ranks' failures (DCP raises every
+    rank's failures on every rank) is an echo: ``("", False)``, a failure that ``raise_failure`` does not name."""
+    if error is None:
+        return None
+    failures = getattr(error, "failures", None)
+    if type(error).__name__ == "CheckpointException" and isinstance(failures, dict) and failures \
+            and rank not in failures:
+        return "", False
+    return f"{type(error).__name__}: {error}", isinstance(error, OSError)
+
+
 def raise_failure(path: str, outcomes: List[Optional[Tuple[str, bool]]], error: Optional[BaseException]) -> None:
     """Raise, on a rank of a failed save: its own OSError (a full disk: it names the path and the cause), else
     its own error when no rank had an OSError, else one naming every failed rank and its error. ``outcomes``: every
-    rank's ``(message, is an OSError)`` or None."""
-    failed = {rank: outcome[0] for rank, outcome in enumerate(outcomes) if outcome is not None}
+    rank's ``(message, is an OSError)`` or None (``outcome``)."""
+    failed = {rank: outcome[0] for rank, outcome in enumerate(outcomes) if outcome is not None and outcome[0]}
     os_errors = {rank: outcome[0] for rank, outcome in enumerate(outcomes) if outcome is not None and outcome[1]}
     if isinstance(error, OSError) or (error is not None and not os_errors):
         raise error
@@ -155,6 +167,11 @@ class WriteErrors:
     def wrap(self, stream: Any, path: str = "") -> Any:
         return _Recording(stream, self, path)
 
+    def note(self, err: OSError, path: str = "") -> None:
+        """Keep ``err`` (raised writing ``path``) unless an earlier OSError was kept."""
+        if self.first is None:
+            self.first, self.path = err, path
+
     def raise_recorded(self, path: str, err: BaseException) -> None:
         """If a write failed with an OSError: raise it again, naming ``path`` and the cause (``err`` chained)."""
         if self.first is not None:
@@ -164,17 +181,26 @@ class WriteErrors:
 
 
 class _Recording:
-    """A stream whose ``write`` records its OSError in ``errors``; everything else is the stream's."""
+    """A stream whose ``write``, ``flush`` and ``close`` record their OSError in ``errors`` (a buffered file
+    reaches the disk, and fails, in any of them); everything else is the stream's."""
 
     def __init__(self, stream: Any, errors: WriteErrors, path: str) -> None:
         self._stream, self._errors, self._path = stream, errors, path
 
     def write(self, data: Any) -> int:
+        return self._recorded(self._stream.write, data)
+
+    def flush(self) -> None:
+        self._recorded(self._stream.flush)
+
+    def close(self) -> None:
+        self._recorded(self._stream.close)
+
+    def _recorded(self, method: Callable[..., Any], *args: Any) -> Any:
         try:
-            return self._stream.write(data)
+            return method(*args)
         except OSError as err:
-            if self._errors.first is None:
-                self._errors.first, self._errors.path = err, self._path
+            self._errors.note(err, self._path)
             raise
 
     def __getattr__(self, name: str) -> Any:
@@ -206,5 +232,5 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-__all__ = ["WriteErrors", "atomic_save", "publish", "raise_failure", "recover", "remove_path", "swap_in", "tmp_name",
+__all__ = ["WriteErrors", "atomic_save", "outcome", "publish", "raise_failure", "recover", "remove_path", "swap_in", "tmp_name",
            "write_file"]

@@ -147,7 +147,9 @@ class ShardedWriter:
                 metadata[key] = obj
         return cls(tensors, metadata, strategy.is_global_zero, strategy.world_size == 1)
 
-    def write(self, directory: str) -> None:
+    def write(self, directory: str, named: str = "") -> None:
+        """Every rank's shards into ``directory`` (``meta.pt`` from global rank 0). A write that failed with an
+        OSError raises one naming ``named`` (the checkpoint's own path; default ``directory``) and the cause."""
         from torch.distributed import checkpoint as dcp
 
         os.makedirs(directory, exist_ok=True)
@@ -155,14 +157,22 @@ class ShardedWriter:
         try:
             dcp.save(self.tensors, checkpoint_id=directory, storage_writer=writer, no_dist=self.no_dist)
         except BaseException as err:  # noqa: BLE001 - torch.distributed.checkpoint's errors are BaseExceptions
-            errors.raise_recorded(directory, err)
+            errors.raise_recorded(named or directory, err)
             raise
-        self.write_metadata(self.metadata, directory)
+        self.write_metadata(self.metadata, directory, named)
 
-    def write_metadata(self, metadata: Dict[str, Any], directory: str) -> None:
-        """``meta.pt`` (``metadata``) into ``directory``, flushed and fsynced; on global rank 0 only."""
+    def write_metadata(self, metadata: Dict[str, Any], directory: str, named: str = "") -> None:
+        """``meta.pt`` (``metadata``) into ``directory``, flushed and fsynced; on global rank 0 only. An OSError
+        is raised naming ``named`` (default ``directory``) and the cause."""
         if self.is_global_zero:
-            write_file(metadata, os.path.join(directory, METADATA_FILENAME))
+            path = os.path.join(directory, METADATA_FILENAME)
+            try:
+                write_file(metadata, path)
+            except OSError as err:
+                errors = WriteErrors()
+                errors.note(err, path)
+                errors.raise_recorded(named or directory, err)
+                raise
 
 
 def storage_writer(directory: str) -> Tuple[Any, WriteErrors]:
@@ -176,8 +186,12 @@ def storage_writer(directory: str) -> Tuple[Any, WriteErrors]:
 
     @contextmanager
     def recording(path: Any, mode: str) -> Iterator[Any]:
-        with create_stream(path, mode) as stream:
-            yield errors.wrap(stream, os.fspath(path))
+        try:  # opening and the closing flush fail too (a small shard reaches the disk only there)
+            with create_stream(path, mode) as stream:
+                yield errors.wrap(stream, os.fspath(path))
+        except OSError as err:
+            errors.note(err, os.fspath(path))
+            raise
 
     writer.fs.create_stream = recording
     return writer, errors

@@ -95,7 +95,7 @@ def save_checkpoint(strategy: Any, path: PathLike, state: Mapping[str, Any], fil
         if saver is not None:
             saver.save(strategy, target, writer, tmp_tag, on_complete)
             return
-        publish(strategy, target, writer.write, tmp_tag=tmp_tag)
+        publish(strategy, target, lambda tmp: writer.write(tmp, named=os.path.abspath(target)), tmp_tag=tmp_tag)
         if on_complete is not None:
             _complete_directory(strategy, target, on_complete)
         return

@@ -203,11 +203,12 @@ def test_failed_saves_keep_the_previous_checkpoint_and_missing_shards_are_named(
         assert "3.fc1.weight" in r["strict"], r["strict"]  # the key the checkpoint lacks is named
 
 
-def _one_rank_cannot_write(fabric, root, failing):
-    """A sharded save (keep=, so the manifest is its commit point) whose shard cannot be written on rank
-    ``failing`` only: that process may write no file larger than 0 bytes (RLIMIT_FSIZE, as a full quota would;
-    SIGXFSZ ignored, so the write raises EFBIG), a real error on one rank inside the write every rank takes
-    part in."""
+def _one_rank_cannot_write(fabric, root, failing, what):
+    """A sharded save (keep=, so the manifest is its commit point) of which one file cannot be written, on rank
+    ``failing`` only: ``what="shard"``, that process may write no file larger than 0 bytes; ``"meta"``, none
+    larger than 64 KiB, and the state holds a 256 KiB blob that goes to rank 0's ``meta.pt`` (RLIMIT_FSIZE, as a
+    full quota would; SIGXFSZ ignored, so the write raises EFBIG): a real error on one rank inside the write every
+    rank takes part in, or after it."""
     import resource
     import signal
 
@@ -219,11 +220,12 @@ def _one_rank_cannot_write(fabric, root, failing):
     out = {}
     if fsdp.global_rank == failing:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (0, limit[1]))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0 if what == "shard" else 64 * 1024, limit[1]))
     try:
-        fsdp.save(os.path.join(root, "step-2"), {"model": model, "optimizer": opt, "version": 2}, keep=3)
+        fsdp.save(os.path.join(root, "step-2"), {"model": model, "optimizer": opt, "version": 2,
+                                                 "blob": bytes(256 * 1024)}, keep=3)
         out["error"] = None
-    except BaseException as err:  # noqa: BLE001 - torch.distributed.checkpoint's errors are BaseExceptions
+    except Exception as err:  # noqa: BLE001 - compared by the test (DCP's own BaseException must not leak)
         out["error"] = f"{type(err).__name__}: {err}"
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
@@ -236,12 +238,22 @@ def _one_rank_cannot_write(fabric, root, failing):
     return out
 
 
-@pytest.mark.parametrize("failing", [1, 0])
-def test_a_sharded_save_failing_on_one_rank_raises_on_every_rank_and_counts_for_nothing(pool2, tmp_path, failing):
-    results = pool2.run(_one_rank_cannot_write, str(tmp_path), failing)
+@pytest.mark.parametrize("failing, what", [(1, "shard"), (0, "shard"), (0, "meta")])
+def test_a_sharded_save_failing_on_one_rank_raises_on_every_rank_and_counts_for_nothing(pool2, tmp_path, failing,
+                                                                                         what):
+    results = pool2.run(_one_rank_cannot_write, str(tmp_path), failing, what)
+    target = tmp_path / "step-2"
     for rank, r in enumerate(results):
         assert r["error"] is not None, f"rank {rank} did not raise"
-        assert f"rank(s) [{failing}]" in r["error"] or f"ranks:dict_keys([{failing}])" in r["error"], r["error"]
+        # the failing rank: its OSError, naming the checkpoint, the cause and the file (a small shard reaches the
+        # disk only in the closing flush); the other: which rank failed, and why
+        cause = f"OSError: [Errno 27] Saving the checkpoint {target} failed: File too large (writing "
+        if rank == failing:
+            assert r["error"].startswith(cause), r["error"]
+            assert r["error"].endswith("meta.pt)" if what == "meta" else f"__{failing}_0.distcp)"), r["error"]
+        else:
+            assert r["error"].startswith(f"RuntimeError: Saving {target} failed on rank(s) [{failing}]: "
+                                         f"{{{failing}: '{cause}"), r["error"]
         # no temporary, no step-2: the manifest still names step-1, which loads
         assert [n for n in r["listing"] if "manifest" not in n] == ["step-1"], r["listing"]
         assert (r["latest"], r["version"]) == ("step-1", 1)
