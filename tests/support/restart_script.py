@@ -5,7 +5,8 @@ every SAVE_EVERY steps with ``save(keep=3)``, mid-epoch; ``load_latest`` at the 
 weights to $OUT. Faults are injected from here, at a given step, never by timing:
 
 - KILL_AT=step:rank   that rank SIGKILLs itself right after that step, in round 0 (every round with KILL_ALWAYS=1)
-- KILL_IN_SAVE=step   rank 0 SIGKILLs itself inside torch.save of that step's checkpoint, half of it written (round 0)
+- KILL_IN_SAVE=step   rank 0 SIGKILLs itself inside torch.save of the checkpoint holding that step, half of it
+                      written (round 0)
 - FAIL_EARLY=round:rank   that rank exits with code 3 before joining the job in that round (its rendezvous)
 - WAIT_AT=step        rank 0 prints "WAITING" after that step and waits until it has recorded a preemption
                       signal (the test sends SIGUSR1 to the supervisor when it reads the line)
@@ -107,7 +108,7 @@ def main() -> None:
     kill_at, kill_in_save, wait_at = pair("KILL_AT"), os.environ.get("KILL_IN_SAVE"), os.environ.get("WAIT_AT")
     first_round = fabric.restart_count == 0 or os.environ.get("KILL_ALWAYS") == "1"
     if kill_in_save and fabric.global_rank == 0 and first_round:
-        _kill_inside_save(int(kill_in_save), lambda: state["step"])
+        _kill_inside_save(int(kill_in_save))
     kill_in_shard = pair("KILL_IN_SHARD")
     if kill_in_shard and fabric.global_rank == kill_in_shard[1] and first_round:
         _kill_inside_shard(kill_in_shard[0], lambda: state["step"])
@@ -140,11 +141,13 @@ def main() -> None:
     fabric.print(f"DONE round {fabric.restart_count}", flush=True)
 
 
-def _kill_inside_save(at_step, current_step):
+def _kill_inside_save(at_step):
+    """Kill this process inside torch.save of the checkpoint that holds ``step == at_step``, whenever that write
+    runs: an asynchronous save of an earlier step may write while the training loop is already there."""
     real_save = torch.save
 
     def save(obj, f, *args, **kwargs):
-        if current_step() == at_step and hasattr(f, "write"):
+        if isinstance(obj, dict) and obj.get("step") == at_step and hasattr(f, "write"):
             f.write(b"half a checkpoint")
             f.flush()
             os.kill(os.getpid(), signal.SIGKILL)
