@@ -185,6 +185,9 @@ def test_node_0s_supervisor_killed_during_a_restart_leaves_nothing_and_the_newes
         time.sleep(0.05)
     print(f"{moment}: every process of the job gone {time.monotonic() - killed:.2f} s after the SIGKILL")
     assert not _processes_running(script), "".join(seen)
-    newest = _recorded(tmp_path / "ckpt")[-1]  # step 10's, or step 5's if step 10's async save was cut short
-    assert newest in ("step-0005.ckpt", "step-0010.ckpt")
+    # step 10's, or step 5's if step 10's async save was cut short; on a loaded machine the ranks of round 1 may
+    # also record step 15 (or 20) before the SIGKILL lands (the marker reaches this test through two pipes)
+    newest = _recorded(tmp_path / "ckpt")[-1]
+    assert newest in ("step-0005.ckpt", "step-0010.ckpt") + (("step-0015.ckpt", "step-0020.ckpt")
+                                                             if moment == "loading" else ())
     assert _latest(tmp_path / "ckpt") == (newest, int(newest[5:9]))  # it loads, its checksums hold
