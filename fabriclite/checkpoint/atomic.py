@@ -75,8 +75,8 @@ def raise_failure(path: str, outcomes: List[Optional[Tuple[str, bool]]], error: 
     """Raise, on a rank of a failed save: its own OSError (a full disk: it names the path and the cause), else
     its own error when no rank had an OSError, else one naming every failed rank and its error. ``outcomes``: every
     rank's ``(message, is an OSError)`` or None (``outcome``)."""
-    failed = {rank: outcome[0] for rank, outcome in enumerate(outcomes) if outcome is not None and outcome[0]}
-    os_errors = {rank: outcome[0] for rank, outcome in enumerate(outcomes) if outcome is not None and outcome[1]}
+    failed = {rank: told[0] for rank, told in enumerate(outcomes) if told is not None and told[0]}
+    os_errors = {rank: told[0] for rank, told in enumerate(outcomes) if told is not None and told[1]}
     if isinstance(error, OSError) or (error is not None and not os_errors):
         raise error
     raise RuntimeError(f"Saving {path} failed on rank(s) {sorted(failed)}: {os_errors or failed}; nothing was "
@@ -232,5 +232,5 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-__all__ = ["WriteErrors", "atomic_save", "outcome", "publish", "raise_failure", "recover", "remove_path", "swap_in", "tmp_name",
-           "write_file"]
+__all__ = ["WriteErrors", "atomic_save", "outcome", "publish", "raise_failure", "recover", "remove_path", "swap_in",
+           "tmp_name", "write_file"]
