@@ -265,7 +265,6 @@ def _two_ranks(code: str, grace_s: float):
 
 
 def test_ranks_that_ignore_sigterm_are_killed_and_named(tmp_path) -> None:
-
     ignoring = str(tmp_path / "rank1-ignores-sigterm")  # rank 0 fails only once rank 1 ignores SIGTERM (on a loaded
     code = ("import os, signal, time\n"  # machine rank 0 could otherwise fail before rank 1 got that far)
             f"if os.environ['FABRICLITE_RANK'] == '0':\n"
@@ -281,22 +280,18 @@ def test_ranks_that_ignore_sigterm_are_killed_and_named(tmp_path) -> None:
     assert "ranks [1] did not end within 0.5 s of SIGTERM and were killed (SIGKILL)." in supervisor.summary
 
 
-def test_a_rank_that_raised_gets_its_teardown_time_beyond_the_grace(tmp_path) -> None:
+def test_a_rank_that_raised_gets_its_teardown_time_beyond_the_grace(tmp_path, monkeypatch) -> None:
     """A rank that raised is exiting already (its teardown may wait up to 2 s for gloo's workers): after SIGTERM it
     gets the grace plus EXITING_S before SIGKILL. Here it needs 1.5 s to exit with a 0.5 s grace, and is not killed;
     the test fails with the grace alone (the summary then names it as SIGKILLed)."""
-    import os
-
     from fabriclite.supervision.rank_child import ERROR_FILE_ENV, write_error_file
     from fabriclite.supervision.supervisor import EXITING_S
 
     assert EXITING_S > 1.5 - 0.5  # the slow exit below fits the extra time and not the grace alone
     record = str(tmp_path / "record.json")  # rank 1's error record, written here by the ranks' own writer: the
-    os.environ["FABRICLITE_RANK"] = "1"      # ranks stay bare interpreters (no torch import to slow them down)
-    try:
+    with monkeypatch.context() as patch:     # ranks stay bare interpreters (no torch import to slow them down)
+        patch.setenv("FABRICLITE_RANK", "1")
         write_error_file(record, ValueError("rank 1 fails on purpose"))
-    finally:
-        del os.environ["FABRICLITE_RANK"]
     code = ("import os, shutil, signal, time\n"
             "if os.environ['FABRICLITE_RANK'] == '0':\n"
             "    time.sleep(60)\n"
