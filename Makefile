@@ -25,11 +25,12 @@ demo: venv
 	$(PY) examples/train.py
 
 include mk/backends.mk
+include mk/engines.mk
 
 test-core: venv
 	$(PY) -m pytest -q tests
 
-test: test-core test-backends
+test: test-core test-backends test-engines
 
 # the core suite 3 times in a row, 2 busy processes loading the CPUs, no retries (STRESS_TESTS: a subset)
 STRESS_TESTS ?= tests
