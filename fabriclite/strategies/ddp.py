@@ -79,8 +79,8 @@ class DDPStrategy(ParallelStrategy):
         self._watch: Optional[CollectiveWatch] = None
         #: the DDP modules setup_module built, in order (their bucket layouts go into fabric.resume_state())
         self._ddp_modules: List["weakref.ReferenceType[DistributedDataParallel]"] = []
-        #: layouts loaded before their module was set up, by position
-        self._pending_layouts: Dict[int, Any] = {}
+        #: layouts loaded before their module was set up, in set-up order
+        self._pending_layouts: List[Any] = []
 
     # ------------------------------------------------------------------ where this rank is
     @property
@@ -212,9 +212,10 @@ class DDPStrategy(ParallelStrategy):
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
         self._ddp_modules.append(weakref.ref(ddp))
-        pending = self._pending_layouts.pop(len(self._ddp_modules) - 1, None)
-        if pending is not None:  # fabric.load ran before this setup
-            ddp_buckets.apply(ddp, pending)
+        if self._pending_layouts:  # fabric.load ran before this setup
+            layout = self._pending_layouts.pop(0)
+            if layout is not None:
+                ddp_buckets.apply(ddp, layout)
         return ddp
 
     # ------------------------------------------------------------------ gradient buckets, for exact resume
@@ -223,32 +224,33 @@ class DDPStrategy(ParallelStrategy):
         unless switched off; see fabriclite.strategies.ddp_buckets)."""
         return ddp_buckets.enabled() and ddp_buckets.unsupported(self.ddp_kwargs) is None
 
+    def _live_modules(self) -> List[DistributedDataParallel]:
+        """The DDP modules setup_module built that are still alive, in set-up order."""
+        live = [(ref, ref()) for ref in self._ddp_modules]
+        self._ddp_modules = [ref for ref, ddp in live if ddp is not None]
+        return [ddp for _, ddp in live if ddp is not None]
+
     def bucket_layout(self) -> Optional[List[Optional[ddp_buckets.Layout]]]:
-        """The gradient bucket layout of every DDP module set up so far, in set-up order (None for one that has
-        none to record yet), or None when recording is off or nothing was set up. A collective: every rank."""
-        if not self.records_bucket_layout() or not self._ddp_modules:
+        """The gradient bucket layout of every live DDP module set up, in set-up order (None for one with none to
+        record yet), or None when recording is off or nothing was set up. A collective: call on every rank."""
+        modules = self._live_modules()
+        if not self.records_bucket_layout() or not modules:
             return None
-        layouts: List[Optional[ddp_buckets.Layout]] = []
-        for ref in self._ddp_modules:
-            ddp = ref()
-            layouts.append(None if ddp is None else ddp_buckets.record(ddp))
-        return layouts
+        return [ddp_buckets.record(ddp) for ddp in modules]
 
     def apply_bucket_layout(self, layouts: Optional[List[Any]]) -> None:
-        """Hand recorded layouts (``bucket_layout()`` of the saved run) to the DDP modules, by set-up order; one
-        not set up yet gets its layout when it is. Nothing when recording is off. A collective: every rank."""
+        """Hand recorded layouts (``bucket_layout()`` of the saved run) to the live DDP modules in set-up order;
+        layouts beyond them go to the next modules set up. Nothing when recording is off. A collective: call on
+        every rank."""
         if layouts is None or not ddp_buckets.enabled():
             return
         if not isinstance(layouts, (list, tuple)):
             raise ValueError(f"the checkpoint's DDP bucket layouts are {layouts!r}; expected a list, one entry per "
                              f"module set up (written by fabric.resume_state()).")
-        for index, layout in enumerate(layouts):
-            if layout is None:
-                continue
-            ddp = self._ddp_modules[index]() if index < len(self._ddp_modules) else None
-            if ddp is None:
-                self._pending_layouts[index] = layout
-            else:
+        modules = self._live_modules()
+        self._pending_layouts = list(layouts[len(modules):])
+        for ddp, layout in zip(modules, layouts):
+            if layout is not None:
                 ddp_buckets.apply(ddp, layout)
 
     def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:

@@ -3,11 +3,14 @@
 The model registers its parameters in an order unlike their use in forward (so the order DDP's gradients become
 ready, which its rebuilt buckets follow, is not the parameter order the first step's one bucket uses); float32,
 a shuffled loader, SGD with momentum. ``state["resume"] = fabric.resume_state()``; a checkpoint after each step
-in SAVE_AT (default "1,4": after step 1 the buckets' rebuild is still pending); ``load_latest`` at the start. Rank 0 writes the final weights to $OUT.
+in SAVE_AT (default "1,4": after step 1 the buckets' rebuild is still pending); ``load_latest`` at the start.
+Rank 0 writes the final weights to $OUT.
 
 - KILL_AT=step:rank   that rank SIGKILLs itself right after that step, in round 0
 - STRATEGY            the strategy (default ddp)
-- FABRICLITE_DDP_BUCKET_LAYOUT=0   the layout fix switched off (the tests' negative control)
+- CONTROL=1   in a restarted round, after the run, the negative control: the layout fix switched off
+  (FABRICLITE_DDP_BUCKET_LAYOUT=0), the same resume again from the same checkpoint in the same processes (a new
+  model, DDP, optimizer and loader; no kills, no saves); its final weights go to $OUT.control
 """
 import os
 import signal
@@ -17,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fabriclite import Fabric
+from fabriclite.strategies.ddp_buckets import SWITCH_ENV
 
 STEPS = int(os.environ.get("STEPS", "8"))
 SAVE_AT = {int(v) for v in os.environ.get("SAVE_AT", "1,4").split(",")}
@@ -48,9 +52,9 @@ class Reordered(nn.Module):
         return self.head(torch.tanh(self.mid(torch.tanh(self.embed(x)))))
 
 
-def main() -> None:
-    fabric = Fabric(accelerator="cpu", strategy=os.environ.get("STRATEGY", "ddp"))
-    fabric.launch()
+def train(fabric: Fabric, control: bool = False) -> list:
+    """Set up, ``load_latest``, train to STEPS; the final weights (gathered under fsdp). ``control``: no kills and
+    no saves (the negative control's pass)."""
     fabric.seed_everything(1234, verbose=False)
     model = Reordered()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -59,10 +63,10 @@ def main() -> None:
     state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0, "resume": fabric.resume_state()}
     resumed = fabric.load_latest(CKPT_DIR, state)
     step = state["step"]
-    fabric.print(f"ROUND {fabric.restart_count} resumed from {os.path.basename(resumed) if resumed else None} "
-                 f"at step {step}", flush=True)
+    fabric.print(f"{'CONTROL' if control else 'ROUND'} {fabric.restart_count} resumed from "
+                 f"{os.path.basename(resumed) if resumed else None} at step {step}", flush=True)
     kill = os.environ.get("KILL_AT")
-    kill_step, kill_rank = (int(v) for v in kill.split(":")) if kill else (-1, -1)
+    kill_step, kill_rank = (int(v) for v in kill.split(":")) if kill and not control else (-1, -1)
     while step < STEPS:
         for x, y in loader:
             loss = nn.functional.cross_entropy(model(x), y)
@@ -72,14 +76,25 @@ def main() -> None:
             step += 1
             if fabric.restart_count == 0 and step == kill_step and fabric.global_rank == kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if step in SAVE_AT:
+            if step in SAVE_AT and not control:
                 state["step"] = step
                 fabric.save(os.path.join(CKPT_DIR, f"step-{step:04d}.ckpt"), state, keep=2)
             if step >= STEPS:
                 break
-    final = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
+
+
+def main() -> None:
+    fabric = Fabric(accelerator="cpu", strategy=os.environ.get("STRATEGY", "ddp"))
+    fabric.launch()
+    final = train(fabric)
     if fabric.global_rank == 0:
         torch.save(final, os.environ["OUT"])
+    if os.environ.get("CONTROL") == "1" and fabric.restart_count > 0:
+        os.environ[SWITCH_ENV] = "0"  # the same resume, from the same checkpoint, without the recorded layout
+        control = train(fabric, control=True)
+        if fabric.global_rank == 0:
+            torch.save(control, os.environ["OUT"] + ".control")
     fabric.print(f"DONE round {fabric.restart_count}", flush=True)
 
 
