@@ -24,20 +24,20 @@ READY = [["head.bias", "head.weight", "mid.bias", "mid.weight", "embed.bias", "e
 class Reordered(nn.Module):
     """Registered head, embed, mid; used embed -> mid -> head (float32)."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 24) -> None:
         super().__init__()
-        self.head = nn.Linear(24, 3)
+        self.head = nn.Linear(width, 3)
         self.embed = nn.Linear(6, 48)
-        self.mid = nn.Linear(48, 24)
+        self.mid = nn.Linear(48, width)
 
     def forward(self, x):
         return self.head(torch.tanh(self.mid(torch.tanh(self.embed(x)))))
 
 
-def _setup(fabric):
+def _setup(fabric, width=24):
     gc.collect()  # the modules of earlier tests on these ranks are gone: layouts map to the live ones
     torch.manual_seed(0)
-    model = Reordered()
+    model = Reordered(width)
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     return model, optimizer, {"model": model, "optimizer": optimizer, "resume": fabric.resume_state()}
 
@@ -54,8 +54,8 @@ def _ddp(model):
     return model._forward_module
 
 
-def _resume(fabric, path, switched_off):
-    model, optimizer, state = _setup(fabric)
+def _resume(fabric, path, switched_off, width=24):
+    model, optimizer, state = _setup(fabric, width)
     fresh = ddp_buckets.current(_ddp(model))
     _step(fabric, model, optimizer, 1)
     pending = ddp_buckets.current(_ddp(model))  # the rebuild waits for the next forward
@@ -65,7 +65,7 @@ def _resume(fabric, path, switched_off):
         _step(fabric, model, optimizer, step)
     reference = [p.detach().clone() for p in model.parameters()]
     del model, optimizer, state
-    model, optimizer, state = _setup(fabric)
+    model, optimizer, state = _setup(fabric, width)
     if switched_off:
         os.environ[ddp_buckets.SWITCH_ENV] = "0"
     try:
@@ -94,6 +94,13 @@ def test_negative_control_switched_off_the_resume_on_3_ranks_is_not_bit_exact(po
     fresh, _, _, recorded, loaded, exact = results[0]
     assert recorded == [READY] and loaded == fresh  # the layout was in the file, and not applied
     assert not exact, "the control matched: the test could not have failed"
+
+
+def test_two_rebuilt_buckets_are_recorded_and_applied(pool3, tmp_path):
+    # mid.weight of 48 x 6000 floats is more than the first bucket's 1 MiB: the rebuild makes two buckets
+    _, _, _, recorded, loaded, exact = pool3.run(_resume, str(tmp_path / "w.ckpt"), False, 6000)[0]
+    assert recorded == [[["head.bias", "head.weight", "mid.bias", "mid.weight"], ["embed.bias", "embed.weight"]]]
+    assert loaded == recorded[0] and exact
 
 
 def _load_before_setup(fabric, path):
