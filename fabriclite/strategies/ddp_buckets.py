@@ -64,6 +64,8 @@ def _why_not(ddp: DistributedDataParallel) -> Optional[str]:
         return "find_unused_parameters=True"
     if getattr(ddp, "static_graph", False):
         return "static_graph=True"
+    if getattr(ddp, "_delay_all_reduce_all_params", False):
+        return "no reducer (every parameter's all-reduce delayed)"
     if getattr(ddp, "_use_python_reducer", False):
         return "the Python reducer"
     if getattr(ddp, "mixed_precision", None) is not None:

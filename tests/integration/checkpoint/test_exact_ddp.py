@@ -27,7 +27,7 @@ SCRIPT = os.path.join(HERE, "..", "..", "support", "exact_script.py")
 MEASURED_S = 150
 DEADLINE_S = 4 * MEASURED_S
 RANK_BUDGET = 12
-pytestmark = pytest.mark.timeout(4 * MEASURED_S + 60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(4 * MEASURED_S + 60)]
 
 #: name -> (ranks, strategy, environment of the killed run); the killed rank and step vary
 CASES: Dict[str, Tuple[int, str, Dict[str, str]]] = {
