@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
