@@ -123,10 +123,11 @@ class ResumeState:
         restore_rng(self.loaded[rank])
 
     def _apply_buckets(self, buckets: Any) -> None:
-        """Hand DDP's recorded bucket layout to the strategy (every rank; any world size: it is per parameter)."""
+        """Hand DDP's recorded bucket layout to the strategy (every rank; any world size: it is per parameter; a layout
+        that does not fit the model is a ValueError, or with strict=False a warning)."""
         apply = getattr(self._strategy, "apply_bucket_layout", None)
         if buckets is not None and callable(apply):
-            apply(buckets)
+            apply(buckets, strict=self.strict)
 
 
 def set_strict(state: Optional[Mapping[str, Any]], strict: bool) -> None:

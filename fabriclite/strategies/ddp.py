@@ -79,8 +79,8 @@ class DDPStrategy(ParallelStrategy):
         self._watch: Optional[CollectiveWatch] = None
         #: the DDP modules setup_module built, in order (their bucket layouts go into fabric.resume_state())
         self._ddp_modules: List["weakref.ReferenceType[DistributedDataParallel]"] = []
-        #: layouts loaded before their module was set up, in set-up order
-        self._pending_layouts: List[Any] = []
+        #: (layout, strict) loaded before their module was set up, in set-up order
+        self._pending_layouts: List[Tuple[Any, bool]] = []
 
     # ------------------------------------------------------------------ where this rank is
     @property
@@ -213,9 +213,9 @@ class DDPStrategy(ParallelStrategy):
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
         self._ddp_modules.append(weakref.ref(ddp))
         if self._pending_layouts:  # fabric.load ran before this setup
-            layout = self._pending_layouts.pop(0)
+            layout, strict = self._pending_layouts.pop(0)
             if layout is not None:
-                ddp_buckets.apply(ddp, layout)
+                ddp_buckets.apply(ddp, layout, strict)
         return ddp
 
     # ------------------------------------------------------------------ gradient buckets, for exact resume
@@ -238,20 +238,21 @@ class DDPStrategy(ParallelStrategy):
             return None
         return [ddp_buckets.record(ddp) for ddp in modules]
 
-    def apply_bucket_layout(self, layouts: Optional[List[Any]]) -> None:
+    def apply_bucket_layout(self, layouts: Optional[List[Any]], strict: bool = True) -> None:
         """Hand recorded layouts (``bucket_layout()`` of the saved run) to the live DDP modules in set-up order;
-        layouts beyond them go to the next modules set up. Nothing when recording is off. A collective: call on
-        every rank."""
+        layouts beyond them go to the next modules set up. Nothing when recording is off. ``strict=False``: a layout
+        that does not fit its module is skipped with a warning (else ValueError). A collective: call on every
+        rank."""
         if layouts is None or not ddp_buckets.enabled():
             return
         if not isinstance(layouts, (list, tuple)):
             raise ValueError(f"the checkpoint's DDP bucket layouts are {layouts!r}; expected a list, one entry per "
                              f"module set up (written by fabric.resume_state()).")
         modules = self._live_modules()
-        self._pending_layouts = list(layouts[len(modules):])
+        self._pending_layouts = [(layout, strict) for layout in layouts[len(modules):]]
         for ddp, layout in zip(modules, layouts):
             if layout is not None:
-                ddp_buckets.apply(ddp, layout)
+                ddp_buckets.apply(ddp, layout, strict)
 
     def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
         """The state_dict of the module under DDP (keys without the ``module.`` prefix)."""

@@ -24,6 +24,7 @@ exact only on 1 or 2 ranks, or with ``find_unused_parameters=True``).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -130,17 +131,27 @@ def validate(ddp: DistributedDataParallel, layout: Any) -> Layout:
     return [list(b) for b in layout]
 
 
-def apply(ddp: DistributedDataParallel, layout: Any) -> None:
+def apply(ddp: DistributedDataParallel, layout: Any, strict: bool = True) -> bool:
     """Give ``ddp`` (built, before or between steps) the recorded ``layout``: a new reducer over the parameters in
-    the recorded order, rebuilt at once, so every step from now on sums as in ``layout``. Call on every rank (the
-    rebuild broadcasts rank 0's buckets). Raises RuntimeError naming torch's version when the buckets obtained differ
-    from the recorded ones."""
+    the recorded order, rebuilt at once, so every step from now on sums as in ``layout``; whether it was applied.
+    Call on every rank (the rebuild broadcasts rank 0's buckets). A DDP whose settings keep torch's buckets
+    (:func:`unsupported`) is left alone, with a warning; a layout that does not fit the model is a ValueError, or with
+    ``strict=False`` a warning (left alone). Raises RuntimeError naming torch's version when the buckets obtained
+    differ from the recorded ones."""
     why = _why_not(ddp)
     if why is not None:
-        raise ValueError(f"the checkpoint holds a DDP bucket layout, but this DDP uses {why}, which keeps torch's "
-                         f"own buckets; build it as the saved run did, or set {SWITCH_ENV}=0.")
+        _warn_once(ddp, f"the checkpoint holds DDP's gradient bucket layout, but this DDP uses {why}, which keeps "
+                        f"torch's own buckets: not applied, so the resumed run does not sum its gradients in the "
+                        f"saved run's order (on 3 or more ranks the last bits differ).")
+        return False
     _check_parts(ddp)
-    layout = validate(ddp, layout)
+    try:
+        layout = validate(ddp, layout)
+    except ValueError as err:
+        if strict:
+            raise
+        _warn_once(ddp, f"{err} Not applied (strict=False).")
+        return False
     params, sparse = ddp._build_params_for_reducer()
     names = _names(ddp)
     position = {names[id(p)]: i for i, p in enumerate(params)}
@@ -162,6 +173,13 @@ def apply(ddp: DistributedDataParallel, layout: Any) -> None:
             f"relies on private parts of torch (checked with torch 2.13) that this torch changed, or the bucket "
             f"size settings (bucket_cap_mb) differ from the saved run's. Set {SWITCH_ENV}=0 to resume without it "
             f"(not bit-exact on 3 or more ranks).")
+    return True
+
+
+def _warn_once(ddp: DistributedDataParallel, message: str) -> None:
+    """``message`` as a warning on the group's rank 0 (every rank reaches the same verdict)."""
+    if not dist.is_initialized() or dist.get_rank(ddp.process_group) == 0:
+        warnings.warn(message, stacklevel=4)
 
 
 def _short(layout: Sequence[Sequence[str]]) -> str:

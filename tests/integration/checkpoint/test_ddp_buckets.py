@@ -189,6 +189,41 @@ def test_a_layout_that_does_not_fit_is_a_clear_error_on_every_rank(pool2, tmp_pa
         assert message is not None and expected in message, message
 
 
+def _not_applied(fabric, path, how):
+    gc.collect()
+    torch.manual_seed(0)
+    if how == "find_unused":  # a DDP that keeps torch's buckets (set up by hand: the pool's strategy is plain ddp)
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(Reordered(), find_unused_parameters=True)
+        fabric.strategy._ddp_modules.append(__import__("weakref").ref(ddp))
+        resume = fabric.resume_state()
+    else:  # strict=False: a layout that does not fit is skipped
+        model, _, state = _setup(fabric)
+        ddp, resume = _ddp(model), state["resume"]
+        resume.strict = False
+    saved = torch.load(path, weights_only=True)["resume"]
+    if how == "misfit":
+        saved["ddp_buckets"] = [[["head.bias", "gone.weight"]]]
+    before = ddp_buckets.current(ddp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resume.load_state_dict(saved)
+    return before == ddp_buckets.current(ddp), [str(w.message) for w in caught if "bucket layout" in str(w.message)]
+
+
+@pytest.mark.parametrize("how, expected", [
+    ("find_unused", "this DDP uses find_unused_parameters=True, which keeps torch's own buckets: not applied"),
+    ("misfit", "Not applied (strict=False)"),
+])
+def test_a_layout_that_cannot_be_applied_is_left_with_one_warning(pool2, tmp_path, how, expected):
+    path = str(tmp_path / "n.ckpt")
+    pool2.run(_record_only, path)
+    (kept, warned), (kept_1, warned_1) = pool2.run(_not_applied, path, how)
+    assert kept and kept_1  # the buckets are the DDP's own
+    assert len(warned) == 1 and expected in warned[0] and warned_1 == []  # rank 0 says it once
+
+
 def _version_1(fabric, path):
     model, _, state = _setup(fabric)
     saved = torch.load(path, weights_only=True)["resume"]
