@@ -40,6 +40,8 @@ REDUCER_PARTS = ("_rebuild_buckets", "_push_all_rebuilt_params", "_get_zeros_lik
 DDP_PARTS = ("_build_params_for_reducer", "_ddp_init_helper", "_build_debug_param_to_name_mapping",
              "_has_rebuilt_buckets", "_comm_hooks", "reducer", "static_graph", "find_unused_parameters")
 
+#: where record() keeps a DDP's layout once read (it does not change after the rebuild)
+_CACHE = "_fabriclite_bucket_layout"
 #: one module's layout: its buckets, each a list of parameter names (``module.named_parameters()``), in order
 Layout = List[List[str]]
 
@@ -108,8 +110,13 @@ def record(ddp: DistributedDataParallel) -> Optional[Layout]:
     if ddp.reducer._rebuild_buckets():  # the rebuild the next forward would run (broadcasts rank 0's layout)
         ddp._has_rebuilt_buckets = True
     if not ddp._has_rebuilt_buckets:
+        setattr(ddp, _CACHE, None)  # (a reset of the buckets, as _update_process_group does, drops it too)
         return None
-    return current(ddp)
+    layout = getattr(ddp, _CACHE, None)
+    if layout is None:  # read once: torch hands the buckets out as zeroed copies (the gradients' size, briefly)
+        layout = current(ddp)
+        setattr(ddp, _CACHE, layout)
+    return [list(b) for b in layout]
 
 
 def validate(ddp: DistributedDataParallel, layout: Any) -> Layout:
@@ -166,6 +173,7 @@ def apply(ddp: DistributedDataParallel, layout: Any, strict: bool = True) -> boo
     rebuilt = ddp.reducer._rebuild_buckets()
     ddp._has_rebuilt_buckets = True
     obtained = current(ddp)
+    setattr(ddp, _CACHE, obtained)
     if not rebuilt or obtained != layout:
         raise RuntimeError(
             f"torch {torch.__version__}: DDP's reducer did not take the recorded gradient buckets (rebuilt="
