@@ -55,10 +55,10 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
 
 NOT_EXACT_ON_3_RANKS = (
-    "fabric.resume_state(): with strategy='ddp' on 3 or more ranks, static_graph=True or "
-    "FABRICLITE_DDP_BUCKET_LAYOUT=0, a resumed run is not bit-exact: DDP rebuilds its gradient buckets after its "
-    "first backward and its layout is not recorded, so the resumed run's first step sums the gradients in another "
-    "order and the last bits differ. Use plain strategy='ddp' without them, or "
+    "fabric.resume_state(): with strategy='ddp' on 3 or more ranks and static_graph=True or "
+    "FABRICLITE_DDP_BUCKET_LAYOUT=0, DDP's gradient bucket layout is not recorded, so a resumed run is not "
+    "bit-exact: DDP rebuilds its buckets after its first backward, the resumed run's first step sums the gradients "
+    "in another order and the last bits differ. Drop static_graph / unset FABRICLITE_DDP_BUCKET_LAYOUT, or use "
     "strategy='ddp_find_unused_parameters_true' (DDP then keeps its buckets), where bit-exact resume matters.")
 
 
