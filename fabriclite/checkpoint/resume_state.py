@@ -4,7 +4,9 @@
 collective (one ``all_gather_object`` of a few KiB per rank): rank 0's file then holds, for every rank, the
 states of torch's CPU generator, every CUDA device's generator (when CUDA is initialised), numpy's global
 generator (when numpy is installed) and Python's ``random``. Loading restores each rank's own states. The
-stored values are tensors, ints and tuples only, so the file loads with ``weights_only=True``.
+stored values are tensors, ints and tuples only, so the file loads with ``weights_only=True``. Loaded by another
+number of ranks (elastic resume), the ranks that existed get their own states back and a new rank seeds its
+generators from rank 0's saved state and its rank number (``fabriclite.checkpoint.elastic``).
 
 Together with the loader's position (``FabricDataLoader.state_dict``) this makes a resumed run draw the same
 random numbers (dropout, augmentations in the main process, shuffles) as one that never stopped.
@@ -16,6 +18,8 @@ import warnings
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
+
+from fabriclite.checkpoint import elastic
 
 #: what ``ResumeState.state_dict()`` holds, to recognise it (and its version) on load
 FORMAT = "fabriclite.resume"
@@ -67,9 +71,10 @@ class ResumeState:
     """The random state of every rank, for a checkpoint (see the module docstring).
 
     ``state_dict()`` is a collective: every rank must save the same state dict. ``load_state_dict(d)``
-    restores this rank's generators; a checkpoint written by a different number of ranks raises ValueError,
-    unless ``strict`` is False (then the generators are left as they are, with a warning).
-    ``fabric.load(..., strict=...)`` sets ``strict``. Made under plain ``ddp`` on 3 or more ranks, it warns (on rank
+    restores this rank's generators. A checkpoint written by a different number of ranks (elastic resume) restores
+    the states of the ranks that existed then; a new rank seeds its generators from rank 0's saved state and its
+    rank number (``fabriclite.checkpoint.elastic``), and the load says so in its one warning.
+    ``fabric.load(..., strict=...)`` sets ``strict`` (kept for the callers; the world size no longer needs it). Made under plain ``ddp`` on 3 or more ranks, it warns (on rank
     0) that the resume will not be bit-exact, naming the fix (:data:`NOT_EXACT_ON_3_RANKS`)."""
 
     def __init__(self, strategy: Any) -> None:
@@ -94,15 +99,35 @@ class ResumeState:
                              f"with format={FORMAT!r}); it was not written by fabric.resume_state().")
         world, rank = self._strategy.world_size, self._strategy.global_rank
         saved = int(state["world_size"])
-        if saved != world:
-            message = (f"the checkpoint's random states were saved by {saved} ranks, but this job has {world}; "
-                       f"exact resume needs the same world size.")
-            if self.strict:
-                raise ValueError(f"{message} Pass strict=False to load the rest and keep this run's random states.")
-            warnings.warn(f"{message} The random states were not restored (strict=False).", stacklevel=2)
-            return
         self.loaded = list(state["ranks"])
+        if saved != world:
+            self._load_elastic(saved, world, rank)
+            return
         restore_rng(self.loaded[rank])
+
+    def _load_elastic(self, saved: int, world: int, rank: int) -> None:
+        """A checkpoint of ``saved`` ranks loaded by ``world``: a rank that existed gets its own states, a new one
+        every generator seeded from rank 0's saved state and its rank (``elastic.new_rank_seed``); one note for the
+        load's one warning (global rank 0)."""
+        assert self.loaded is not None
+        if rank < saved:
+            restore_rng(self.loaded[rank])
+        else:
+            seed = elastic.new_rank_seed(self.loaded[0]["torch"], rank)
+            torch.manual_seed(seed)
+            random.seed(seed)
+            numpy = _numpy()
+            if numpy is not None:
+                numpy.random.seed(seed % 2 ** 32)
+        kept = elastic.ranks_text(range(min(saved, world)))
+        text = (f"the random states were saved by {saved} ranks and this run has {world}: ranks {kept} restored their "
+                "own")
+        if world > saved:
+            text += (f"; ranks {elastic.ranks_text(range(saved, world))} are new: each seeded every generator from "
+                     "rank 0's saved torch state and its rank number (fabriclite.checkpoint.elastic.new_rank_seed)")
+        else:
+            text += f"; the states of ranks {elastic.ranks_text(range(world, saved))} were not used"
+        elastic.note(text + ".", self._strategy.global_rank == 0)
 
 
 def set_strict(state: Optional[Mapping[str, Any]], strict: bool) -> None:
