@@ -166,19 +166,14 @@ def one_warning(warn: bool) -> Iterator[None]:
 
 
 def ranks_text(ranks: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    """``[2]`` as ``"rank 2"``, ``[0, 1, 2, 5]`` as ``"ranks 0-2, 5"``."""
     parts: List[str] = []
     for rank in sorted(ranks):
         if parts and parts[-1].split("-")[-1] == str(rank - 1):
             parts[-1] = f"{parts[-1].split('-')[0]}-{rank}"
         else:
             parts.append(str(rank))
-    return ", ".join(parts)
-
-
-def describe(state: Mapping[str, Any]) -> str:
-    """A short description of a saved loader state for error messages."""
-    return ", ".join(f"{key} {state[key]}" for key in ("epoch", "batch", "world_size", "batch_size") if key in state)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
 __all__ = ["Dealt", "RestSampler", "deal", "deal_rest", "epoch_order", "new_rank_seed", "note", "one_warning",

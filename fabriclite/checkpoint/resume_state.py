@@ -71,10 +71,9 @@ class ResumeState:
     """The random state of every rank, for a checkpoint (see the module docstring).
 
     ``state_dict()`` is a collective: every rank must save the same state dict. ``load_state_dict(d)``
-    restores this rank's generators. A checkpoint written by a different number of ranks (elastic resume) restores
-    the states of the ranks that existed then; a new rank seeds its generators from rank 0's saved state and its
-    rank number (``fabriclite.checkpoint.elastic``), and the load says so in its one warning.
-    ``fabric.load(..., strict=...)`` sets ``strict`` (kept for the callers; the world size no longer needs it). Made under plain ``ddp`` on 3 or more ranks, it warns (on rank
+    restores this rank's generators; a checkpoint written by a different number of ranks restores the ranks that
+    existed then and seeds the new ones from rank 0's state (elastic resume, ``fabriclite.checkpoint.elastic``).
+    ``fabric.load(..., strict=...)`` sets ``strict``. Made under plain ``ddp`` on 3 or more ranks, it warns (on rank
     0) that the resume will not be bit-exact, naming the fix (:data:`NOT_EXACT_ON_3_RANKS`)."""
 
     def __init__(self, strategy: Any) -> None:
@@ -99,34 +98,35 @@ class ResumeState:
                              f"with format={FORMAT!r}); it was not written by fabric.resume_state().")
         world, rank = self._strategy.world_size, self._strategy.global_rank
         saved = int(state["world_size"])
-        self.loaded = list(state["ranks"])
         if saved != world:
-            self._load_elastic(saved, world, rank)
+            self._load_elastic(list(state["ranks"]), saved, world, rank)
             return
+        self.loaded = list(state["ranks"])
         restore_rng(self.loaded[rank])
 
-    def _load_elastic(self, saved: int, world: int, rank: int) -> None:
+    def _load_elastic(self, ranks: List[Dict[str, Any]], saved: int, world: int, rank: int) -> None:
         """A checkpoint of ``saved`` ranks loaded by ``world``: a rank that existed gets its own states, a new one
         every generator seeded from rank 0's saved state and its rank (``elastic.new_rank_seed``); one note for the
         load's one warning (global rank 0)."""
-        assert self.loaded is not None
+        self.loaded = ranks
         if rank < saved:
-            restore_rng(self.loaded[rank])
+            restore_rng(ranks[rank])
         else:
-            seed = elastic.new_rank_seed(self.loaded[0]["torch"], rank)
+            seed = elastic.new_rank_seed(ranks[0]["torch"], rank)
             torch.manual_seed(seed)
             random.seed(seed)
             numpy = _numpy()
             if numpy is not None:
                 numpy.random.seed(seed % 2 ** 32)
-        kept = elastic.ranks_text(range(min(saved, world)))
-        text = (f"the random states were saved by {saved} ranks and this run has {world}: ranks {kept} restored their "
-                "own")
+        kept = min(saved, world)
+        text = (f"the random states were saved by {saved} ranks and this run has {world}: "
+                f"{elastic.ranks_text(range(kept))} restored {'its' if kept == 1 else 'their'} own")
         if world > saved:
-            text += (f"; ranks {elastic.ranks_text(range(saved, world))} are new: each seeded every generator from "
-                     "rank 0's saved torch state and its rank number (fabriclite.checkpoint.elastic.new_rank_seed)")
+            text += (f"; {elastic.ranks_text(range(saved, world))} {'is' if world - saved == 1 else 'are'} new: each "
+                     "seeded every generator from rank 0's saved torch state and its rank number "
+                     "(fabriclite.checkpoint.elastic.new_rank_seed)")
         else:
-            text += f"; the states of ranks {elastic.ranks_text(range(world, saved))} were not used"
+            text += f"; the states of {elastic.ranks_text(range(world, saved))} were not used"
         elastic.note(text + ".", self._strategy.global_rank == 0)
 
 

@@ -237,7 +237,8 @@ def _load_elsewhere(fabric, path: str):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fabric.load(path, {"loader": loader})
-    return [str(w.message) for w in caught if "Elastic resume" in str(w.message)], [i for b in loader for i in b.tolist()]
+    samples = [i for b in loader for i in b.tolist()]
+    return [str(w.message) for w in caught if "Elastic resume" in str(w.message)], samples
 
 
 def test_a_mid_epoch_loader_state_from_two_ranks_continues_on_three(pool2, pool3, tmp_path):

@@ -140,11 +140,11 @@ def test_a_different_world_size_restores_the_old_ranks_and_derives_the_new_ones(
     assert grown[2][0] == again[2][0] and grown[2][0] not in (e0, e1)  # rank 2 is new: derived, deterministic
     (message,) = grown[0][1]  # one warning, on rank 0 only
     assert grown[1][1] == grown[2][1] == []
-    assert "saved by 2 ranks and this run has 3: ranks 0-1 restored their own; ranks 2 are new" in message
+    assert "saved by 2 ranks and this run has 3: ranks 0-1 restored their own; rank 2 is new: each seeded" in message
     (f0, _), (f1, _), (f2, _) = pool3.run(_rng_roundtrip, three)
     shrunk = pool2.run(_rng_elastic, three)
     assert [s[0] for s in shrunk] == [f0, f1]
-    assert "the states of ranks 2 were not used" in shrunk[0][1][0]
+    assert "the states of rank 2 were not used" in shrunk[0][1][0]
     fabric = Fabric(accelerator="cpu", devices=1)  # one process of its own: rank 0's states
     fabric.load(two, {"resume": fabric.resume_state()})
     assert _draws() == e0
