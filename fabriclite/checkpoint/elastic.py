@@ -162,7 +162,8 @@ def one_warning(warn: bool) -> Iterator[None]:
     finally:
         collected, _collected = _collected, outer
         if outer is None and collected and warn:
-            warnings.warn("Elastic resume: " + " ".join(collected), stacklevel=3)
+            sentences = collected[:1] + [text[:1].upper() + text[1:] for text in collected[1:]]
+            warnings.warn("Elastic resume: " + " ".join(sentences), stacklevel=3)
 
 
 def ranks_text(ranks: Sequence[int]) -> str:

@@ -246,7 +246,7 @@ def elastic_note(loader: DataLoader, epoch: int, dealing: Mapping[str, Any], fro
     left_out = dealt.left_out
     text = (f"the loader's position was saved by {from_world_size} ranks and this run has {world}: epoch {epoch} "
             f"continues after the first {start} of its {length} samples (in the epoch's order); the {length - start} "
-            f"left are dealt over {world} ranks, {batches} batches each; {len(dealt.repeats)} repeated as padding"
+            f"left are dealt over {world} ranks, {batches} batch{'' if batches == 1 else 'es'} each; {len(dealt.repeats)} repeated as padding"
             f"{f' {dealt.repeats}' if dealt.repeats else ''}")
     if left_out:
         text += f", {len(left_out)} left out by drop_last {left_out}"
