@@ -8,6 +8,8 @@
   and ``latest`` finds the newest one for ``fabric.load_latest``.
 - ``resume_state`` (every rank's RNG states) and ``loader_position`` (where a loader stands in its epoch): what
   makes a resumed run continue exactly.
+- ``elastic``: what a checkpoint of W ranks means at W' != W (the rest of an epoch dealt over the new ranks, new
+  ranks' seeds, the load's one warning).
 
 May import: ``strategies`` (for types only), ``collectives``, ``distributed`` and what lies below them. Never
 ``training``, ``fabric``, ``connector`` or ``cli``.
