@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from fabriclite import collectives
 from fabriclite.accelerators import Accelerator
-from fabriclite.checkpoint import latest, manifest, resume_state
+from fabriclite.checkpoint import elastic, latest, manifest, resume_state
 from fabriclite.checkpoint.resume_state import ResumeState
 from fabriclite.checkpoint.saving import load_raw
 from fabriclite.compat import lightning_module, run_method, user_warnings
@@ -378,11 +378,13 @@ class Fabric:
 
     def load(self, path: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
              strict: bool = True, *, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        """Restore ``state`` in place from ``path``; returns what was not restored (all of it without state)."""
+        """Restore ``state`` in place from ``path``; returns what was not restored (all of it without state). A
+        checkpoint of another world size resumes elastically, said in one warning (fabriclite.checkpoint.elastic)."""
         self._check_launched("load")
         unwrapped = wrapping.unwrap(state, loaders=False)
         resume_state.set_strict(unwrapped, strict)
-        remainder = self._strategy.load_checkpoint(path, unwrapped, strict=strict, weights_only=weights_only)
+        with elastic.one_warning(self.global_rank == 0):
+            remainder = self._strategy.load_checkpoint(path, unwrapped, strict=strict, weights_only=weights_only)
         if state is not None:
             live_recovery.keep_values(state, unwrapped)
         return remainder

@@ -4,7 +4,9 @@
 collective (one ``all_gather_object`` of a few KiB per rank): rank 0's file then holds, for every rank, the
 states of torch's CPU generator, every CUDA device's generator (when CUDA is initialised), numpy's global
 generator (when numpy is installed) and Python's ``random``. Loading restores each rank's own states. The
-stored values are tensors, ints and tuples only, so the file loads with ``weights_only=True``.
+stored values are tensors, ints and tuples only, so the file loads with ``weights_only=True``. Loaded by another
+number of ranks (elastic resume), the ranks that existed get their own states back and a new rank seeds its
+generators from rank 0's saved state and its rank number (``fabriclite.checkpoint.elastic``).
 
 Together with the loader's position (``FabricDataLoader.state_dict``) this makes a resumed run draw the same
 random numbers (dropout, augmentations in the main process, shuffles) as one that never stopped.
@@ -21,6 +23,8 @@ import warnings
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
+
+from fabriclite.checkpoint import elastic
 
 #: what ``ResumeState.state_dict()`` holds, to recognise it (and its version) on load
 FORMAT = "fabriclite.resume"
@@ -79,8 +83,8 @@ class ResumeState:
     """The random state of every rank, for a checkpoint (see the module docstring).
 
     ``state_dict()`` is a collective: every rank must save the same state dict. ``load_state_dict(d)``
-    restores this rank's generators; a checkpoint written by a different number of ranks raises ValueError,
-    unless ``strict`` is False (then the generators are left as they are, with a warning).
+    restores this rank's generators; a checkpoint written by a different number of ranks restores the ranks that
+    existed then and seeds the new ones from rank 0's state (elastic resume, ``fabriclite.checkpoint.elastic``).
     ``fabric.load(..., strict=...)`` sets ``strict``. Under plain ``ddp`` it saves DDP's gradient bucket layout and
     loading applies it (at any world size: the layout is per parameter). Made under ``ddp`` on 3 or more ranks with
     the layout not recorded (static_graph, or switched off), it warns (on rank 0) that the resume will not be
@@ -113,11 +117,7 @@ class ResumeState:
         world, rank = self._strategy.world_size, self._strategy.global_rank
         saved = int(state["world_size"])
         if saved != world:
-            message = (f"the checkpoint's random states were saved by {saved} ranks, but this job has {world}; "
-                       f"exact resume needs the same world size.")
-            if self.strict:
-                raise ValueError(f"{message} Pass strict=False to load the rest and keep this run's random states.")
-            warnings.warn(f"{message} The random states were not restored (strict=False).", stacklevel=2)
+            self._load_elastic(list(state["ranks"]), saved, world, rank)
             return
         self.loaded = list(state["ranks"])
         restore_rng(self.loaded[rank])
@@ -127,6 +127,31 @@ class ResumeState:
         apply = getattr(self._strategy, "apply_bucket_layout", None)
         if buckets is not None and callable(apply):
             apply(buckets)
+
+    def _load_elastic(self, ranks: List[Dict[str, Any]], saved: int, world: int, rank: int) -> None:
+        """A checkpoint of ``saved`` ranks loaded by ``world``: a rank that existed gets its own states, a new one
+        every generator seeded from rank 0's saved state and its rank (``elastic.new_rank_seed``); one note for the
+        load's one warning (global rank 0)."""
+        self.loaded = ranks
+        if rank < saved:
+            restore_rng(ranks[rank])
+        else:
+            seed = elastic.new_rank_seed(ranks[0]["torch"], rank)
+            torch.manual_seed(seed)
+            random.seed(seed)
+            numpy = _numpy()
+            if numpy is not None:
+                numpy.random.seed(seed % 2 ** 32)
+        kept = min(saved, world)
+        text = (f"the random states were saved by {saved} ranks and this run has {world}: "
+                f"{elastic.ranks_text(range(kept))} restored {'its' if kept == 1 else 'their'} own")
+        if world > saved:
+            text += (f"; {elastic.ranks_text(range(saved, world))} {'is' if world - saved == 1 else 'are'} new: each "
+                     "seeded every generator from rank 0's saved torch state and its rank number "
+                     "(fabriclite.checkpoint.elastic.new_rank_seed)")
+        else:
+            text += f"; the states of {elastic.ranks_text(range(world, saved))} were not used"
+        elastic.note(text + ".", self._strategy.global_rank == 0)
 
 
 def set_strict(state: Optional[Mapping[str, Any]], strict: bool) -> None:
