@@ -4,10 +4,17 @@
 collective (one ``all_gather_object`` of a few KiB per rank): rank 0's file then holds, for every rank, the
 states of torch's CPU generator, every CUDA device's generator (when CUDA is initialised), numpy's global
 generator (when numpy is installed) and Python's ``random``. Loading restores each rank's own states. The
-stored values are tensors, ints and tuples only, so the file loads with ``weights_only=True``.
+stored values are tensors, ints and tuples only, so the file loads with ``weights_only=True``. Loaded by another
+number of ranks (elastic resume), the ranks that existed get their own states back and a new rank seeds its
+generators from rank 0's saved state and its rank number (``fabriclite.checkpoint.elastic``).
 
 Together with the loader's position (``FabricDataLoader.state_dict``) this makes a resumed run draw the same
 random numbers (dropout, augmentations in the main process, shuffles) as one that never stopped.
+
+Under plain DDP it also holds DDP's gradient bucket layout (``ddp_buckets``, from the strategy's
+``bucket_layout()``; fabriclite.strategies.ddp_buckets), and loading hands it back (``apply_bucket_layout``), so a
+resumed run sums its gradients in the same order as one that never stopped, on any number of ranks. The strategy
+is duck-typed here: this floor does not import strategies. Version 1 states (without the layout) still load.
 """
 from __future__ import annotations
 
@@ -17,9 +24,11 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
+from fabriclite.checkpoint import elastic
+
 #: what ``ResumeState.state_dict()`` holds, to recognise it (and its version) on load
 FORMAT = "fabriclite.resume"
-VERSION = 1
+VERSION = 2
 
 
 def capture_rng() -> Dict[str, Any]:
@@ -50,10 +59,11 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
 
 NOT_EXACT_ON_3_RANKS = (
-    "fabric.resume_state(): with strategy='ddp' on 3 or more ranks a resumed run is not bit-exact: DDP rebuilds its "
-    "gradient buckets after its first backward, so the resumed run's first step sums the gradients in another "
-    "order and the last bits differ. Use strategy='ddp_find_unused_parameters_true' (DDP then keeps its buckets) "
-    "where bit-exact resume matters.")
+    "fabric.resume_state(): with strategy='ddp' on 3 or more ranks, static_graph=True or "
+    "FABRICLITE_DDP_BUCKET_LAYOUT=0, a resumed run is not bit-exact: DDP rebuilds its gradient buckets after its "
+    "first backward and its layout is not recorded, so the resumed run's first step sums the gradients in another "
+    "order and the last bits differ. Use plain strategy='ddp' without them, or "
+    "strategy='ddp_find_unused_parameters_true' (DDP then keeps its buckets), where bit-exact resume matters.")
 
 
 def rebuilds_buckets(strategy: Any) -> bool:
@@ -63,46 +73,85 @@ def rebuilds_buckets(strategy: Any) -> bool:
         "find_unused_parameters", False)
 
 
+def inexact_buckets(strategy: Any) -> bool:
+    """Whether ``strategy`` rebuilds DDP's buckets without recording the layout (see NOT_EXACT_ON_3_RANKS)."""
+    records = getattr(strategy, "records_bucket_layout", None)
+    return rebuilds_buckets(strategy) and not (callable(records) and records())
+
+
 class ResumeState:
     """The random state of every rank, for a checkpoint (see the module docstring).
 
     ``state_dict()`` is a collective: every rank must save the same state dict. ``load_state_dict(d)``
-    restores this rank's generators; a checkpoint written by a different number of ranks raises ValueError,
-    unless ``strict`` is False (then the generators are left as they are, with a warning).
-    ``fabric.load(..., strict=...)`` sets ``strict``. Made under plain ``ddp`` on 3 or more ranks, it warns (on rank
-    0) that the resume will not be bit-exact, naming the fix (:data:`NOT_EXACT_ON_3_RANKS`)."""
+    restores this rank's generators; a checkpoint written by a different number of ranks restores the ranks that
+    existed then and seeds the new ones from rank 0's state (elastic resume, ``fabriclite.checkpoint.elastic``).
+    ``fabric.load(..., strict=...)`` sets ``strict``. Under plain ``ddp`` it saves DDP's gradient bucket layout and
+    loading applies it (at any world size: the layout is per parameter). Made under ``ddp`` on 3 or more ranks with
+    the layout not recorded (static_graph, or switched off), it warns (on rank 0) that the resume will not be
+    bit-exact, naming the fix (:data:`NOT_EXACT_ON_3_RANKS`)."""
 
     def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
         self.strict = True
-        if rebuilds_buckets(strategy) and strategy.world_size >= 3 and strategy.global_rank == 0:
+        if inexact_buckets(strategy) and strategy.world_size >= 3 and strategy.global_rank == 0:
             warnings.warn(NOT_EXACT_ON_3_RANKS, stacklevel=3)
         #: the states loaded last (every rank's), None before a load
         self.loaded: Optional[List[Dict[str, Any]]] = None
 
     def state_dict(self) -> Dict[str, Any]:
-        """Every rank's generator states, in rank order (gathered: call on every rank)."""
+        """Every rank's generator states, in rank order, and DDP's bucket layout (gathered: call on every rank)."""
         mine = capture_rng()
         strategy = self._strategy
         ranks = [mine] if strategy.world_size == 1 else list(strategy.all_gather_object(mine))
-        return {"format": FORMAT, "version": VERSION, "world_size": len(ranks), "ranks": ranks}
+        layout = getattr(strategy, "bucket_layout", None)
+        buckets = layout() if callable(layout) else None
+        return {"format": FORMAT, "version": VERSION, "world_size": len(ranks), "ranks": ranks,
+                "ddp_buckets": buckets}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore this rank's generators from ``state`` (see the class docstring for world-size mismatches)."""
         if not isinstance(state, Mapping) or state.get("format") != FORMAT:
             raise ValueError(f"the checkpoint's resume entry is not a fabriclite resume state (expected a dict "
                              f"with format={FORMAT!r}); it was not written by fabric.resume_state().")
+        self._apply_buckets(state.get("ddp_buckets"))
         world, rank = self._strategy.world_size, self._strategy.global_rank
         saved = int(state["world_size"])
         if saved != world:
-            message = (f"the checkpoint's random states were saved by {saved} ranks, but this job has {world}; "
-                       f"exact resume needs the same world size.")
-            if self.strict:
-                raise ValueError(f"{message} Pass strict=False to load the rest and keep this run's random states.")
-            warnings.warn(f"{message} The random states were not restored (strict=False).", stacklevel=2)
+            self._load_elastic(list(state["ranks"]), saved, world, rank)
             return
         self.loaded = list(state["ranks"])
         restore_rng(self.loaded[rank])
+
+    def _apply_buckets(self, buckets: Any) -> None:
+        """Hand DDP's recorded bucket layout to the strategy (every rank; any world size: it is per parameter)."""
+        apply = getattr(self._strategy, "apply_bucket_layout", None)
+        if buckets is not None and callable(apply):
+            apply(buckets)
+
+    def _load_elastic(self, ranks: List[Dict[str, Any]], saved: int, world: int, rank: int) -> None:
+        """A checkpoint of ``saved`` ranks loaded by ``world``: a rank that existed gets its own states, a new one
+        every generator seeded from rank 0's saved state and its rank (``elastic.new_rank_seed``); one note for the
+        load's one warning (global rank 0)."""
+        self.loaded = ranks
+        if rank < saved:
+            restore_rng(ranks[rank])
+        else:
+            seed = elastic.new_rank_seed(ranks[0]["torch"], rank)
+            torch.manual_seed(seed)
+            random.seed(seed)
+            numpy = _numpy()
+            if numpy is not None:
+                numpy.random.seed(seed % 2 ** 32)
+        kept = min(saved, world)
+        text = (f"the random states were saved by {saved} ranks and this run has {world}: "
+                f"{elastic.ranks_text(range(kept))} restored {'its' if kept == 1 else 'their'} own")
+        if world > saved:
+            text += (f"; {elastic.ranks_text(range(saved, world))} {'is' if world - saved == 1 else 'are'} new: each "
+                     "seeded every generator from rank 0's saved torch state and its rank number "
+                     "(fabriclite.checkpoint.elastic.new_rank_seed)")
+        else:
+            text += f"; the states of {elastic.ranks_text(range(world, saved))} were not used"
+        elastic.note(text + ".", self._strategy.global_rank == 0)
 
 
 def set_strict(state: Optional[Mapping[str, Any]], strict: bool) -> None:
@@ -125,4 +174,4 @@ def _numpy() -> Any:
     return numpy
 
 
-__all__ = ["ResumeState", "capture_rng", "restore_rng", "set_strict"]
+__all__ = ["ResumeState", "capture_rng", "inexact_buckets", "restore_rng", "set_strict"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Callable, ContextManager, Dict, List, Literal, NoReturn, Optional, Tuple, Union
@@ -16,6 +17,7 @@ from fabriclite.checkpoint.checkpoint_io import CheckpointIO
 from fabriclite.distributed import rendezvous
 from fabriclite.distributed.network import gloo_interface
 from fabriclite.distributed import gloo_exit
+from fabriclite.strategies import ddp_buckets
 from fabriclite.strategies.base import copy_into
 from fabriclite.strategies.parallel import ParallelStrategy
 from fabriclite.supervision.output_forwarding import prefixed_by_supervisor
@@ -75,6 +77,10 @@ class DDPStrategy(ParallelStrategy):
         self._groups: Dict[Tuple[int, ...], Any] = {}
         self._owns_group = False
         self._watch: Optional[CollectiveWatch] = None
+        #: the DDP modules setup_module built, in order (their bucket layouts go into fabric.resume_state())
+        self._ddp_modules: List["weakref.ReferenceType[DistributedDataParallel]"] = []
+        #: layouts loaded before their module was set up, by position
+        self._pending_layouts: Dict[int, Any] = {}
 
     # ------------------------------------------------------------------ where this rank is
     @property
@@ -204,7 +210,46 @@ class DDPStrategy(ParallelStrategy):
 
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        self._ddp_modules.append(weakref.ref(ddp))
+        pending = self._pending_layouts.pop(len(self._ddp_modules) - 1, None)
+        if pending is not None:  # fabric.load ran before this setup
+            ddp_buckets.apply(ddp, pending)
+        return ddp
+
+    # ------------------------------------------------------------------ gradient buckets, for exact resume
+    def records_bucket_layout(self) -> bool:
+        """Whether ``bucket_layout()`` records DDP's rebuilt gradient buckets for a bit-exact resume (plain DDP,
+        unless switched off; see fabriclite.strategies.ddp_buckets)."""
+        return ddp_buckets.enabled() and ddp_buckets.unsupported(self.ddp_kwargs) is None
+
+    def bucket_layout(self) -> Optional[List[Optional[ddp_buckets.Layout]]]:
+        """The gradient bucket layout of every DDP module set up so far, in set-up order (None for one that has
+        none to record yet), or None when recording is off or nothing was set up. A collective: every rank."""
+        if not self.records_bucket_layout() or not self._ddp_modules:
+            return None
+        layouts: List[Optional[ddp_buckets.Layout]] = []
+        for ref in self._ddp_modules:
+            ddp = ref()
+            layouts.append(None if ddp is None else ddp_buckets.record(ddp))
+        return layouts
+
+    def apply_bucket_layout(self, layouts: Optional[List[Any]]) -> None:
+        """Hand recorded layouts (``bucket_layout()`` of the saved run) to the DDP modules, by set-up order; one
+        not set up yet gets its layout when it is. Nothing when recording is off. A collective: every rank."""
+        if layouts is None or not ddp_buckets.enabled():
+            return
+        if not isinstance(layouts, (list, tuple)):
+            raise ValueError(f"the checkpoint's DDP bucket layouts are {layouts!r}; expected a list, one entry per "
+                             f"module set up (written by fabric.resume_state()).")
+        for index, layout in enumerate(layouts):
+            if layout is None:
+                continue
+            ddp = self._ddp_modules[index]() if index < len(self._ddp_modules) else None
+            if ddp is None:
+                self._pending_layouts[index] = layout
+            else:
+                ddp_buckets.apply(ddp, layout)
 
     def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
         """The state_dict of the module under DDP (keys without the ``module.`` prefix)."""
@@ -238,6 +283,8 @@ class DDPStrategy(ParallelStrategy):
                 dist.destroy_process_group()
             self._owns_group = False
             self._groups.clear()
+            self._ddp_modules.clear()
+            self._pending_layouts.clear()
             self._store = None
             super().teardown()
 

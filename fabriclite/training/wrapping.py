@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from fabriclite.checkpoint import loader_position
+from fabriclite.checkpoint import elastic, loader_position
 from fabriclite.training import forward_methods
 from fabriclite.training.callbacks import call_hook
 from fabriclite.strategies.base import Strategy
@@ -170,6 +170,9 @@ class FabricDataLoader:
         self._num_iter_calls = 0
         self._consumed: Optional[int] = None  # batches yielded in the running epoch
         self._skip = 0  # batches a loaded mid-epoch state still has to skip
+        self._dealing: Optional[Dict[str, Any]] = None  # the next epoch deals its rest after a start (elastic)
+        self._running: Optional[Dict[str, Any]] = None  # the running epoch's dealing
+        self._running_length: Optional[int] = None  # the running epoch's batches
 
     @property
     def device(self) -> Optional[torch.device]:
@@ -187,31 +190,47 @@ class FabricDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` start epoch ``epoch`` (shuffling order and all) at its first batch."""
-        self._num_iter_calls, self._skip = int(epoch), 0
+        self._num_iter_calls, self._skip, self._dealing = int(epoch), 0, None
 
     def state_dict(self) -> Dict[str, Any]:
-        """``{"epoch": e, "batch": k, "world_size": w, "batch_size": b}``: inside an epoch, the running epoch and the
-        batches it has yielded (a resumed run continues with the next batch, in the same order); between epochs,
-        the next one and 0; the sizes the position holds for (``fabriclite.checkpoint.loader_position``)."""
-        return loader_position.position(self._num_iter_calls, self._consumed, self._skip, _length(self._dataloader),
-                                        loader_position.loader_shape(self._dataloader))
+        """``{"epoch": e, "batch": k, "world_size": w, "batch_size": b, "dataset_length": n, ...}``: inside an epoch,
+        the running epoch and the batches it has yielded (a resumed run continues with the next batch, in the same
+        order); between epochs, the next one and 0; the sizes the position holds for; for a loader dealt by a plain
+        DistributedSampler also its ``seed``, ``shuffle`` and the samples of the epoch's order the job consumed
+        (``start``, ``samples``), which let a run at another world size continue the epoch
+        (``fabriclite.checkpoint.loader_position``, ``fabriclite.checkpoint.elastic``)."""
+        running = self._consumed is not None
+        return loader_position.position(self._num_iter_calls, self._consumed, self._skip,
+                                        self._running_length if running else None,
+                                        loader_position.loader_shape(self._dataloader),
+                                        self._running if running else self._dealing)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Make the next ``iter()`` resume at ``state`` (an old ``{"epoch": n}`` starts epoch n at batch 0); a
-        position inside an epoch saved at another world size or batch size is a ValueError naming both."""
+        """Make the next ``iter()`` resume at ``state`` (an old ``{"epoch": n}`` starts epoch n at batch 0). A position
+        inside an epoch saved at another world size continues that epoch with the samples its order has left, dealt
+        over this loader's ranks, and says so in one warning (global rank 0); saved with another batch size per rank
+        or dataset length it is a ValueError naming both (``fabriclite.checkpoint.loader_position``)."""
         where = loader_position.read_position(state, loader_position.loader_shape(self._dataloader))
         self._num_iter_calls, self._skip, self._consumed = where["epoch"], where["batch"], None
+        self._dealing = where["dealing"]
+        if where["from_world_size"] is not None:
+            elastic.note(loader_position.elastic_note(self._dataloader, where["epoch"], where["dealing"],
+                                                      where["from_world_size"]), self._strategy.global_rank == 0)
 
     def __len__(self) -> int:
         return len(self._dataloader)
 
     def __iter__(self) -> Iterator[Any]:
         set_sampler_epoch(self._dataloader, self._num_iter_calls)
+        epoch = self._num_iter_calls
         self._num_iter_calls += 1
         skip, self._skip = self._skip, 0
+        dealing, self._dealing = self._dealing, None
+        loader = self._dataloader if dealing is None else loader_position.rest_loader(self._dataloader, epoch, dealing)
+        self._running, self._running_length = dealing, _length(loader)
         self._consumed = skip
         to_device, device = self._strategy.batch_to_device, self._device
-        for batch in loader_position.iterate_from(self._dataloader, skip):
+        for batch in loader_position.iterate_from(loader, skip, resumed=dealing is not None):
             self._consumed = (self._consumed or 0) + 1
             yield batch if device is None else to_device(batch, device)
         self._consumed = None

@@ -64,10 +64,11 @@ def _loader_positions(fabric):
 
 def test_a_mid_epoch_state_resumes_with_the_next_batch_without_loading_the_skipped_ones(pool2):
     for state, epoch, same, loaded_again, after, old_ok in pool2.run(_loader_positions):
-        assert state == {"epoch": 1, "batch": 2, "world_size": 2, "batch_size": 3} and epoch == 1
+        sizes = {"world_size": 2, "batch_size": 3, "dataset_length": 22, "seed": 3, "shuffle": True}
+        assert state == {"epoch": 1, "batch": 2, **sizes, "start": 0, "samples": 12} and epoch == 1
         assert same, "the resumed epoch is not the rest of the uninterrupted one"
         assert loaded_again == []  # the skipped batches' samples were never loaded
-        assert after == {"epoch": 2, "batch": 0, "world_size": 2, "batch_size": 3}
+        assert after == {"epoch": 2, "batch": 0, **sizes, "start": 0, "samples": 0}
         assert old_ok
 
 
@@ -121,17 +122,32 @@ def test_resume_state_restores_each_ranks_own_generators(pool2, tmp_path):
     assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
 
 
-def test_a_different_world_size_is_an_error_unless_not_strict(pool2, tmp_path):
-    path = str(tmp_path / "rng2.ckpt")
-    pool2.run(_rng_roundtrip, path)
-    fabric = Fabric(accelerator="cpu", devices=1)
-    with pytest.raises(ValueError, match="saved by 2 ranks, but this job has 1.*strict=False"):
+def _rng_elastic(fabric, path):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         fabric.load(path, {"resume": fabric.resume_state()})
-    torch.manual_seed(5)
-    before = torch.get_rng_state()
-    with pytest.warns(UserWarning, match="not restored"):
-        fabric.load(path, {"resume": fabric.resume_state()}, strict=False)
-    assert torch.equal(torch.get_rng_state(), before)
+    return _draws(), [str(w.message) for w in caught if "Elastic resume" in str(w.message)]
+
+
+def test_a_different_world_size_restores_the_old_ranks_and_derives_the_new_ones(pool2, pool3, tmp_path):
+    two, three = str(tmp_path / "two.ckpt"), str(tmp_path / "three.ckpt")
+    (e0, _), (e1, _) = pool2.run(_rng_roundtrip, two)
+    grown = pool3.run(_rng_elastic, two)
+    again = pool3.run(_rng_elastic, two)
+    assert [g[0] for g in grown[:2]] == [e0, e1]  # ranks 0 and 1 existed: their own states
+    assert grown[2][0] == again[2][0] and grown[2][0] not in (e0, e1)  # rank 2 is new: derived, deterministic
+    (message,) = grown[0][1]  # one warning, on rank 0 only
+    assert grown[1][1] == grown[2][1] == []
+    assert "saved by 2 ranks and this run has 3: ranks 0-1 restored their own; rank 2 is new: each seeded" in message
+    (f0, _), (f1, _), (f2, _) = pool3.run(_rng_roundtrip, three)
+    shrunk = pool2.run(_rng_elastic, three)
+    assert [s[0] for s in shrunk] == [f0, f1]
+    assert "the states of rank 2 were not used" in shrunk[0][1][0]
+    fabric = Fabric(accelerator="cpu", devices=1)  # one process of its own: rank 0's states
+    fabric.load(two, {"resume": fabric.resume_state()})
+    assert _draws() == e0
 
 
 # ---------------------------------------------------------------------- save(keep=K), manifest, load_latest

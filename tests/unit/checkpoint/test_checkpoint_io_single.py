@@ -333,12 +333,14 @@ def test_a_mid_epoch_loader_state_at_another_batch_size_or_world_size_names_both
     iterator = iter(loader)
     next(iterator), next(iterator)
     state = loader.state_dict()
-    assert state == {"epoch": 0, "batch": 2, "world_size": 1, "batch_size": 4}
+    assert state == {"epoch": 0, "batch": 2, "world_size": 1, "batch_size": 4, "dataset_length": 20}
     other = fabric.setup_dataloaders(DataLoader(list(range(20)), batch_size=5))
     with pytest.raises(ValueError, match="batch 2 of epoch 0, saved with batch_size 4; this loader has batch_size 5"):
         other.load_state_dict(state)
-    with pytest.raises(ValueError, match="saved with world_size 2; this loader has world_size 1"):
-        loader.load_state_dict({**state, "world_size": 2})
+    with pytest.raises(ValueError, match="saved with world_size 2; this loader has world_size 1. That state cannot"):
+        loader.load_state_dict({**state, "world_size": 2})  # not dealt by a DistributedSampler: it cannot move
+    with pytest.raises(ValueError, match="saved for a dataset of 20 samples; this loader's dataset has 21"):
+        fabric.setup_dataloaders(DataLoader(list(range(21)), batch_size=4)).load_state_dict(state)
     other.load_state_dict({**state, "batch": 0})  # an epoch boundary loads at any size
     other.load_state_dict({"epoch": 0, "batch": 2})  # so does a state from before the sizes were recorded
     assert other.state_dict()["batch"] == 2
