@@ -19,16 +19,14 @@ import pytest
 import torch
 
 from helpers import REPO
+from sample_accounting import named_repeats
 
 DOC = REPO / "docs" / "environments.md"
 
-#: other branches of issue 27 whose work some engine tests need, not merged into this one yet: those tests are
-#: expected to fail (strict: once the work is merged they pass, fail as XPASS, and the branch comes off this list)
-PENDING_BRANCHES = {
-    "exact": "bit-exact resume of plain ddp at 3+ ranks (DDP's bucket layout recorded in the resume state)",
-    "elastic": "elastic resume: a checkpoint written at world size W resumes at W' != W",
-    "slurm": "fabric.restart_count agreed over the job at launch (torchrun's agents count restarts each)",
-}
+#: other branches of issue 27 whose work some engine tests need, not merged into this one yet (name -> what): those
+#: tests are expected to fail (strict: once the work is merged they pass, fail as XPASS, and the branch comes off
+#: this list). Empty: exact, elastic and slurm are merged.
+PENDING_BRANCHES: Dict[str, str] = {}
 
 
 def pending(*branches: str):
@@ -53,6 +51,9 @@ class Attempt:
     steps: Dict[int, Dict[int, Tuple[int, List[int]]]] = field(default_factory=dict)
     done: Dict[int, int] = field(default_factory=dict)
     killed: List[int] = field(default_factory=list)
+    #: rank -> the warnings load_latest gave; rank -> whether the process group existed before fabric.launch()
+    warnings: Dict[int, List[str]] = field(default_factory=dict)
+    group_before_launch: Dict[int, bool] = field(default_factory=dict)
 
     @property
     def started_ns(self) -> int:
@@ -70,6 +71,8 @@ def read_attempts(log_dir: Path) -> List[Attempt]:
             f"the ranks of attempt {head['start']} disagree on the world size or the step they resumed: {head}"
         rank = head["rank"]
         attempt.restart_counts[rank] = head["restart_count"]
+        attempt.warnings[rank] = head.get("warnings", [])
+        attempt.group_before_launch[rank] = head.get("group_before_launch", False)
         attempt.steps[rank] = {r["step"]: (r["epoch"], r["indices"]) for r in records if "step" in r}
         attempt.done.update({rank: r["done"] for r in records if "done" in r})
         attempt.killed += [r["killed"] for r in records if "killed" in r]
@@ -125,11 +128,23 @@ def accounting(attempts: Sequence[Attempt], n: int, steps: int) -> Dict[str, obj
             assert len(repeats) == world * math.ceil(n / world) - n, \
                 f"epoch {epoch} at world size {world}: {len(repeats)} repeated samples {repeats}, expected " \
                 f"DistributedSampler's padding of {world * math.ceil(n / world) - n}"
-        else:
-            assert len(repeats) <= max(worlds[epoch]) - 1, \
-                f"epoch {epoch} ran at world sizes {sorted(worlds[epoch])}: {len(repeats)} samples repeated " \
-                f"({repeats}), more than the padding allows"
+        else:  # resumed at another world size inside this epoch: the rest is padded as the warning names
+            named = elastic_padding(attempts, epoch)
+            assert repeats == named, \
+                f"epoch {epoch} ran at world sizes {sorted(worlds[epoch])}: samples {repeats} were consumed twice; " \
+                f"the elastic resume's warning named {named} as padding"
+            assert len(repeats) <= max(worlds[epoch]) - 1
     return {"padding": padding, "kept": kept, "worlds": {e: sorted(w) for e, w in worlds.items()}}
+
+
+def elastic_padding(attempts: Sequence[Attempt], epoch: int) -> List[int]:
+    """The repeats named by the elastic-resume warning of the attempt that resumed inside ``epoch`` (rank 0's)."""
+    for attempt in attempts:
+        for message in attempt.warnings.get(0, []):
+            if "repeated as padding" in message and f"epoch {epoch}" in message:
+                return named_repeats(message)
+    raise AssertionError(f"no attempt warned about an elastic resume inside epoch {epoch}: "
+                         f"{[a.warnings.get(0) for a in attempts]}")
 
 
 def steps_per_epoch(n: int, world: int, batch: int) -> int:

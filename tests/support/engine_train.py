@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import time
+import warnings
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
@@ -58,6 +59,7 @@ def main(settings: Optional[Mapping[str, Any]] = None) -> None:
     ckpt_dir, log_dir = env["CKPT_DIR"], env["LOG_DIR"]
     kill_at = tuple(int(v) for v in env["KILL_AT"].split(":")) if env.get("KILL_AT") else None
 
+    group_before_launch = torch.distributed.is_initialized()  # Ray Train makes the process group itself
     fabric = Fabric()
     fabric.launch()
     fabric.seed_everything(1234, verbose=False)
@@ -68,14 +70,20 @@ def main(settings: Optional[Mapping[str, Any]] = None) -> None:
     loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=int(env["BATCH"]), shuffle=True))
     state: Dict[str, Any] = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0,
                              "resume": fabric.resume_state()}
-    resumed = fabric.load_latest(ckpt_dir, state)
+    with warnings.catch_warnings(record=True) as caught:  # the elastic resume's warning names the padding
+        warnings.simplefilter("always")
+        resumed = fabric.load_latest(ckpt_dir, state)
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     step = state["step"]
     attempt = fabric.broadcast(f"{time.time_ns()}-{os.getpid()}" if fabric.global_rank == 0 else None, src=0)
     os.makedirs(log_dir, exist_ok=True)
     log = open(os.path.join(log_dir, f"log-{attempt}-rank{fabric.global_rank}.jsonl"), "a", buffering=1)
     log.write(json.dumps({"start": attempt, "rank": fabric.global_rank, "world": fabric.world_size,
                           "resumed_step": step, "resumed_from": os.path.basename(resumed) if resumed else None,
-                          "restart_count": fabric.restart_count, "pid": os.getpid(), "t": time.time()}) + "\n")
+                          "restart_count": fabric.restart_count, "pid": os.getpid(), "t": time.time(),
+                          "group_before_launch": group_before_launch,
+                          "warnings": [str(w.message) for w in caught]}) + "\n")
     dataset.served.clear()
     fabric.print(f"ATTEMPT {attempt} world {fabric.world_size} restart_count {fabric.restart_count} resumed at step "
                  f"{step}", flush=True)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
 import pytest
 
@@ -44,6 +44,43 @@ def _env(tmp: Path, **extra: str) -> Dict[str, str]:
                       "HEAD_NODE": "127.0.0.1", **extra})
 
 
+_started: List[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_agent_left() -> Iterator[None]:
+    """Every agent a test started (with its workers: one session each) is gone after it, however it ended."""
+    yield
+    while _started:
+        agent = _started.pop()
+        workers = _descendants(agent.pid)  # torchrun starts each worker in a session of its own
+        _kill_group(agent.pid)
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _descendants(root: int) -> List[int]:
+    """The processes below ``root`` (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    found, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parents.items() if p == pid]
+        found += children
+        frontier += children
+    return found
+
+
 def _agents(tmp: Path, env: Dict[str, str], count: int = 3) -> List[subprocess.Popen]:
     """``count`` agents, each the docs' recipe; agent 0 hosts the rendezvous (is_host), started first."""
     port = free_port()
@@ -56,6 +93,7 @@ def _agents(tmp: Path, env: Dict[str, str], count: int = 3) -> List[subprocess.P
         log = open(tmp / f"agent{i}.log", "w")
         agents.append(subprocess.Popen(["bash", "-c", command], env=env, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True))
+        _started.append(agents[-1])
         if i == 0:
             time.sleep(1.0)  # the host's store listens before the others connect (they would retry anyway)
     return agents
