@@ -222,7 +222,8 @@ def launch_namespace(store: Store, rank: int, world_size: int, timeout: timedelt
     while True:
         if time.monotonic() > deadline:
             where = f"prefix {name}" if name else "no prefix named by rank 0 yet"
-            missing = [r for r in range(world_size) if name and not store.check([f"{TORCHELASTIC_KEY}{name}/member/{r}"])]
+            missing = [r for r in range(world_size)
+                       if name and not store.check([f"{TORCHELASTIC_KEY}{name}/member/{r}"])]
             raise RendezvousError(f"fabriclite: ranks {missing or '(rank 0)'} of {world_size} never met in torchrun's "
                                   f"store within {timeout.total_seconds():.0f} s ({where}; rank {rank} waited).")
         if store.check([f"{TORCHELASTIC_KEY}current"]):

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +59,10 @@ class Attempt:
     #: rank -> the warnings load_latest gave; rank -> whether the process group existed before fabric.launch()
     warnings: Dict[int, List[str]] = field(default_factory=dict)
     group_before_launch: Dict[int, bool] = field(default_factory=dict)
+    #: rank -> its start record (process_start, t: after load_latest, ...) and the time of each step it logged
+    heads: Dict[int, dict] = field(default_factory=dict)
+    step_times: Dict[int, Dict[int, float]] = field(default_factory=dict)
+    killed_at: List[float] = field(default_factory=list)
 
     @property
     def started_ns(self) -> int:
@@ -73,6 +82,9 @@ def read_attempts(log_dir: Path) -> List[Attempt]:
         attempt.restart_counts[rank] = head["restart_count"]
         attempt.warnings[rank] = head.get("warnings", [])
         attempt.group_before_launch[rank] = head.get("group_before_launch", False)
+        attempt.heads[rank] = head
+        attempt.step_times[rank] = {r["step"]: r["t"] for r in records if "step" in r}
+        attempt.killed_at += [r["t"] for r in records if "killed" in r]
         attempt.steps[rank] = {r["step"]: (r["epoch"], r["indices"]) for r in records if "step" in r}
         attempt.done.update({rank: r["done"] for r in records if "done" in r})
         attempt.killed += [r["killed"] for r in records if "killed" in r]
@@ -120,7 +132,8 @@ def accounting(attempts: Sequence[Attempt], n: int, steps: int) -> Dict[str, obj
         if epoch == final_epoch and missing:
             continue  # the run stopped inside this epoch (STEPS is not a whole number of epochs)
         assert not missing, f"epoch {epoch}: samples {missing} were never consumed"
-        assert set(counts) <= set(range(n)), f"epoch {epoch}: indices outside the dataset: {set(counts) - set(range(n))}"
+        outside = set(counts) - set(range(n))
+        assert not outside, f"epoch {epoch}: indices outside the dataset: {outside}"
         repeats = sorted(i for i, c in counts.items() for _ in range(c - 1))
         padding[epoch] = repeats
         if len(worlds[epoch]) == 1:
@@ -135,6 +148,20 @@ def accounting(attempts: Sequence[Attempt], n: int, steps: int) -> Dict[str, obj
                 f"the elastic resume's warning named {named} as padding"
             assert len(repeats) <= max(worlds[epoch]) - 1
     return {"padding": padding, "kept": kept, "worlds": {e: sorted(w) for e, w in worlds.items()}}
+
+
+def recovery_parts(attempts: Sequence[Attempt]) -> Dict[str, float]:
+    """The parts of the recovery from the first attempt's failure (a worker's SIGKILL, else its last logged step)
+    to the next attempt training again, in seconds: the failure until the first new worker process started, the
+    new workers' start until every rank had resumed (imports, launch, setup, load_latest), then until every rank
+    finished its first step; and the whole."""
+    first, second = attempts[0], attempts[1]
+    failed = min(first.killed_at) if first.killed_at else max(max(t.values()) for t in first.step_times.values() if t)
+    started = min(h["process_start"] for h in second.heads.values())
+    resumed = max(h["t"] for h in second.heads.values())
+    stepped = max(min(t.values()) for t in second.step_times.values())
+    return {"failure -> new workers start": started - failed, "workers start -> resumed": resumed - started,
+            "resumed -> first step done": stepped - resumed, "failure -> training again": stepped - failed}
 
 
 def elastic_padding(attempts: Sequence[Attempt], epoch: int) -> List[int]:
@@ -187,3 +214,59 @@ def substitute(text: str, replacements: Dict[str, str]) -> str:
         assert old in text, f"the recipe no longer contains {old!r}; update the test that runs it:\n{text}"
         text = text.replace(old, new)
     return text
+
+
+#: the torchrun lane's rendezvous settings (seconds): the last call after the minimum of nodes joined, and how long
+#: a rendezvous may take at all (the default 600 s would hide a hang); a test speed-up torchrun allows
+TORCHRUN_RDZV_CONF = "join_timeout=90,last_call_timeout=2,close_timeout=10"
+ENGINE_TRAIN = REPO / "tests" / "support" / "engine_train.py"
+
+
+def torchrun_agents(tmp: Path, env: Dict[str, str], port: int, count: int = 3,
+                    python: str = sys.executable) -> List[subprocess.Popen]:
+    """``count`` torchrun agents on this machine, each the recipe of docs/environments.md (``<!-- recipe: torchrun
+    -->``) with the interpreter, ``port``, the training script and ``tmp/ckpt`` substituted and short rendezvous
+    timeouts added; agent 0 hosts the rendezvous (``is_host``) and starts first. Each agent runs in a session of its
+    own; its log is ``tmp/agent<i>.log``. ``env`` needs HEAD_NODE and JOB_ID (the recipe's variables)."""
+    agents = []
+    for i in range(count):
+        command = substitute(recipe("torchrun"), {
+            "torchrun ": f"{python} -m torch.distributed.run --rdzv-conf "
+                         f"is_host={'true' if i == 0 else 'false'},{TORCHRUN_RDZV_CONF} ",
+            "29400": str(port), "train.py": str(ENGINE_TRAIN), "/shared/ckpt": str(tmp / "ckpt")})
+        with open(tmp / f"agent{i}.log", "w") as log:
+            agents.append(subprocess.Popen(["bash", "-c", command], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+        if i == 0:
+            time.sleep(1.0)  # the host's store listens before the others connect (they would retry anyway)
+    return agents
+
+
+def descendants(root: int) -> List[int]:
+    """The processes below ``root`` (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    found, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parents.items() if p == pid]
+        found += children
+        frontier += children
+    return found
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root``'s session and every process below it (torchrun starts each worker in a session of its own)."""
+    below = descendants(root)
+    for kill in [lambda: os.killpg(root, signal.SIGKILL)] + [lambda pid=pid: os.kill(pid, signal.SIGKILL)
+                                                              for pid in below]:
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            pass

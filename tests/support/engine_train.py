@@ -82,7 +82,7 @@ def main(settings: Optional[Mapping[str, Any]] = None) -> None:
     log.write(json.dumps({"start": attempt, "rank": fabric.global_rank, "world": fabric.world_size,
                           "resumed_step": step, "resumed_from": os.path.basename(resumed) if resumed else None,
                           "restart_count": fabric.restart_count, "pid": os.getpid(), "t": time.time(),
-                          "group_before_launch": group_before_launch,
+                          "group_before_launch": group_before_launch, "process_start": _process_start(),
                           "warnings": [str(w.message) for w in caught]}) + "\n")
     dataset.served.clear()
     fabric.print(f"ATTEMPT {attempt} world {fabric.world_size} restart_count {fabric.restart_count} resumed at step "
@@ -111,6 +111,15 @@ def main(settings: Optional[Mapping[str, Any]] = None) -> None:
         torch.save([p.detach().clone() for p in model.parameters()], env["OUT"])
     log.write(json.dumps({"done": step, "t": time.time()}) + "\n")
     fabric.print(f"DONE at step {step} world {fabric.world_size}", flush=True)
+
+
+def _process_start() -> float:
+    """This process's start, Unix time (Linux /proc; 10 ms resolution): the recovery benchmark's parts."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _first_kill(log_dir: str) -> bool:

@@ -40,7 +40,8 @@ OBJECT_STORE = 80 * 2 ** 20
 def cluster() -> Iterator[Cluster]:
     support = str(REPO / "tests" / "support")
     # the nodes' worker processes import the training script and this checkout's fabriclite
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), support, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    paths = [str(REPO), support] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     started = time.monotonic()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": OBJECT_STORE,

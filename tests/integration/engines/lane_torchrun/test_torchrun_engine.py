@@ -26,16 +26,13 @@ from typing import Dict, Iterator, List
 
 import pytest
 
-from engine_checks import (accounting, assert_bit_identical, assert_finite, pending, read_attempts, recipe,
-                           substitute)
+from engine_checks import (ENGINE_TRAIN, accounting, assert_bit_identical, assert_finite, kill_tree, pending,
+                           read_attempts, torchrun_agents)
 from helpers import REPO, clean_env, free_port
 
-SCRIPT = REPO / "tests" / "support" / "engine_train.py"
+SCRIPT = ENGINE_TRAIN
 N, BATCH, STEPS = 50, 4, 30
 JOB_TIMEOUT_S = 240
-#: short rendezvous timeouts (seconds): the last call after the minimum of nodes joined, and how long a rendezvous
-#: may take at all (the default 600 s would hide a hang)
-RDZV_CONF = "join_timeout=90,last_call_timeout=2,close_timeout=10"
 
 
 def _env(tmp: Path, **extra: str) -> Dict[str, str]:
@@ -49,53 +46,15 @@ _started: List[subprocess.Popen] = []
 
 @pytest.fixture(autouse=True)
 def _no_agent_left() -> Iterator[None]:
-    """Every agent a test started (with its workers: one session each) is gone after it, however it ended."""
+    """Every agent a test started, and its workers, are gone after it, however it ended."""
     yield
     while _started:
-        agent = _started.pop()
-        workers = _descendants(agent.pid)  # torchrun starts each worker in a session of its own
-        _kill_group(agent.pid)
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def _descendants(root: int) -> List[int]:
-    """The processes below ``root`` (from /proc)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                pass
-    found, frontier = [], [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [c for c, p in parents.items() if p == pid]
-        found += children
-        frontier += children
-    return found
+        kill_tree(_started.pop().pid)
 
 
 def _agents(tmp: Path, env: Dict[str, str], count: int = 3) -> List[subprocess.Popen]:
-    """``count`` agents, each the docs' recipe; agent 0 hosts the rendezvous (is_host), started first."""
-    port = free_port()
-    agents = []
-    for i in range(count):
-        command = substitute(recipe("torchrun"), {
-            "torchrun ": f"{sys.executable} -m torch.distributed.run --rdzv-conf "
-                         f"is_host={'true' if i == 0 else 'false'},{RDZV_CONF} ",
-            "29400": str(port), "train.py": str(SCRIPT), "/shared/ckpt": str(tmp / "ckpt")})
-        log = open(tmp / f"agent{i}.log", "w")
-        agents.append(subprocess.Popen(["bash", "-c", command], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True))
-        _started.append(agents[-1])
-        if i == 0:
-            time.sleep(1.0)  # the host's store listens before the others connect (they would retry anyway)
+    agents = torchrun_agents(tmp, env, free_port(), count)
+    _started.extend(agents)
     return agents
 
 
@@ -105,9 +64,8 @@ def _wait(agents: List[subprocess.Popen], tmp: Path, timeout: float = JOB_TIMEOU
         return [a.wait(timeout=max(1.0, deadline - time.monotonic())) for a in agents]
     except subprocess.TimeoutExpired:
         for a in agents:
-            _kill_group(a.pid)
-        logs = "\n".join(f"--- agent{i}.log\n" + (tmp / f"agent{i}.log").read_text()[-3000:] for i in range(len(agents)))
-        pytest.fail(f"the torchrun job did not end within {timeout:.0f} s\n{logs}")
+            kill_tree(a.pid)
+        pytest.fail(f"the torchrun job did not end within {timeout:.0f} s\n{_logs(tmp)}")
 
 
 def _kill_group(pid: int) -> None:
