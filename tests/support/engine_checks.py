@@ -154,14 +154,14 @@ def recovery_parts(attempts: Sequence[Attempt]) -> Dict[str, float]:
     """The parts of the recovery from the first attempt's failure (a worker's SIGKILL, else its last logged step)
     to the next attempt training again, in seconds: the failure until the first new worker process started, the
     new workers' start until every rank had resumed (imports, launch, setup, load_latest), then until every rank
-    finished its first step; and the whole."""
+    finished its first step. Their sum is failure -> training again."""
     first, second = attempts[0], attempts[1]
     failed = min(first.killed_at) if first.killed_at else max(max(t.values()) for t in first.step_times.values() if t)
     started = min(h["process_start"] for h in second.heads.values())
     resumed = max(h["t"] for h in second.heads.values())
     stepped = max(min(t.values()) for t in second.step_times.values())
     return {"failure -> new workers start": started - failed, "workers start -> resumed": resumed - started,
-            "resumed -> first step done": stepped - resumed, "failure -> training again": stepped - failed}
+            "resumed -> first step done": stepped - resumed}
 
 
 def elastic_padding(attempts: Sequence[Attempt], epoch: int) -> List[int]:

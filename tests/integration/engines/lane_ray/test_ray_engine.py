@@ -112,7 +112,7 @@ def test_worker_dies_failure_config_restarts_bit_exact(cluster: Cluster, uninter
 @pending("elastic")
 def test_node_removed_ray_goes_on_with_2_workers_elastic_resume(cluster: Cluster, tmp_path: Path) -> None:
     # last in the module: it takes a node away. Checkpoints every 4 steps: at 3 workers an epoch is 5 steps, so
-    # step 8 stops inside epoch 1; its 50 - 32 = 18 samples left do not divide by 2 x 4.
+    # step 8 stops inside epoch 1 (36 of its 50 samples consumed); the 14 left do not divide by 2 x 4.
     import threading
 
     removed: List[str] = []

@@ -110,8 +110,8 @@ def test_worker_crash_restarts_every_worker_and_resumes_bit_exact(tmp_path: Path
 
 @pending("elastic")
 def test_killed_agent_the_others_go_on_at_world_size_2(tmp_path: Path) -> None:
-    # checkpoints every 4 steps: at 3 ranks an epoch is 5 steps (17 samples a rank), so step 8 stops mid-epoch 1;
-    # at 2 ranks its 50 - 32 = 18 samples left do not divide by 2 x 4
+    # checkpoints every 4 steps: at 3 ranks an epoch is 5 steps (17 samples a rank), so step 8 stops inside epoch 1 (36 of 50 samples consumed);
+    # at 2 ranks the 14 left do not divide by 2 x 4
     agents = _agents(tmp_path, _env(tmp_path, SAVE_EVERY="4", SLEEP="0.15"))
     logs = tmp_path / "logs"
     deadline = time.monotonic() + JOB_TIMEOUT_S
