@@ -16,6 +16,8 @@ slurm_train.py``): a small deterministic ddp loop, as examples/fault_tolerant.py
   ``fabric.restart_count`` is that;
 - an array task keeps its checkpoints, accounting and weights apart: CKPT_DIR/task<N>, ACCOUNT_DIR/task<N>,
   task<N>-<OUT's name> beside OUT;
+- rank 0 appends ``<event> <unix time> <attempt>`` to $ACCOUNT_DIR/events.log: ``launched``, ``first_step`` (the
+  attempt's first step done) and ``saved`` (the preemption save done), for benchmarks/engine_parts/slurm.py;
 - SLURM_ENV="requeue_signal=USR2,auto_requeue=0" passes ``plugins=[SLURMEnvironment(...)]`` (ranks started by srun).
 """
 import os
@@ -59,6 +61,12 @@ class Logged(Dataset):
         return self.x[i], self.y[i]
 
 
+def event(fabric: Fabric, name: str) -> None:
+    if fabric.global_rank == 0:
+        with open(os.path.join(ACCOUNT_DIR, "events.log"), "a") as f:
+            f.write(f"{name} {time.time():.3f} {ATTEMPT}\n")
+
+
 def make_fabric() -> Fabric:
     spec = os.environ.get("SLURM_ENV")
     if not spec:
@@ -74,6 +82,7 @@ def make_fabric() -> Fabric:
 def main() -> None:
     fabric = make_fabric()
     fabric.launch()
+    event(fabric, "launched")
     fabric.seed_everything(1234, verbose=False)
     data = Logged()
     data.log = open(os.path.join(ACCOUNT_DIR, f"samples-{ATTEMPT}-{fabric.global_rank}.log"), "a", buffering=1)
@@ -84,6 +93,7 @@ def main() -> None:
     state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0, "resume": fabric.resume_state()}
     resumed = fabric.load_latest(CKPT_DIR, state)
     step = state["step"]
+    first_step = step + 1
     data.log.write(f"attempt resumed={step if resumed else 0} world={fabric.world_size}\n")
     nodes = os.environ.get("SLURM_JOB_NUM_NODES", "?")
     line = (f"{ATTEMPT.replace('-', ' ')} restart_count={fabric.restart_count} resumed={step if resumed else 0} "
@@ -106,6 +116,8 @@ def main() -> None:
             fabric.backward(loss)
             optimizer.step()
             step += 1
+            if step == first_step:
+                event(fabric, "first_step")
             data.log.write(f"step {step} epoch {loader.epoch - 1}\n")  # the running epoch (iter() counted it)
             if fabric.global_rank == 0:
                 with open(os.path.join(ACCOUNT_DIR, "progress"), "w") as f:
@@ -120,6 +132,7 @@ def main() -> None:
             if fabric.check_preempted():
                 state["step"] = step
                 fabric.save(os.path.join(CKPT_DIR, f"step-{step:04d}.ckpt"), state, keep=3)
+                event(fabric, "saved")
                 fabric.print(f"PREEMPTED saved at step {step}", flush=True)
                 return
             if step % SAVE_EVERY == 0:

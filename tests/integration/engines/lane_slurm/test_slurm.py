@@ -66,12 +66,20 @@ def finished(cluster, job: str, states: Sequence[str] = ("COMPLETED",)) -> Dict[
 
 
 def requeued(cluster, job: str) -> Dict[str, str]:
-    """Wait until SLURM holds the requeued job (pending, Restarts=1), then let it start now (the harness's
+    """Wait until SLURM holds the requeued job (pending again, Restarts=1), then let it start now (the harness's
     speed-up: SLURM's own delay is about 2 minutes)."""
-    fields = cluster.wait_state(job, ["PENDING"], JOB_S, f"job {job} requeued")
-    assert fields.get("Restarts") == "1", fields
+    seen: Dict[str, str] = {}
+
+    def held() -> bool:
+        seen.clear()
+        seen.update(cluster.job(job))
+        return seen.get("Restarts") == "1" and seen.get("JobState") == "PENDING" or \
+            seen.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+
+    cluster.wait(held, JOB_S, f"job {job} requeued")
+    assert seen.get("Restarts") == "1" and seen.get("JobState") == "PENDING", seen
     cluster.start_now(job)
-    return fields
+    return dict(seen)
 
 
 def counts(files: JobFiles, sub: str = "") -> List[int]:
@@ -79,16 +87,25 @@ def counts(files: JobFiles, sub: str = "") -> List[int]:
 
 
 @pytest.fixture(scope="module")
-def references(cluster, tmp_path_factory):
-    """Uninterrupted runs every exactness check compares with, submitted at once so they run alongside the tests:
-    3 nodes x 1 rank (the sbatch recipe, --devices 1) and 1 node x 2 ranks (--devices 2)."""
+def early(cluster, tmp_path_factory):
+    """Jobs submitted when the module starts, so they run alongside the tests: the uninterrupted runs every
+    exactness check compares with, 3 nodes x 1 rank (the sbatch recipe, --devices 1) and 1 node x 2 ranks
+    (--devices 2), and the time-limit job (most of its time is waiting for SLURM's signal)."""
     made = {}
     for name, nodes, devices in (("w3", 3, 1), ("w2", 1, 2)):
         files = JobFiles(str(tmp_path_factory.mktemp(f"reference-{name}")))
         made[name] = (files, sbatch_recipe(cluster, files, devices, [f"--nodes={nodes}"], STEPS="30"))
+    files = JobFiles(str(tmp_path_factory.mktemp("time-limit")))
+    made["time_limit"] = (files, sbatch_recipe(cluster, files, devices=2, args=["--nodes=1", "--time=1",
+                                                                                 "--signal=USR1@55"],
+                                               STEPS="30", STEP_SLEEP="2"))  # 60 s of steps: the signal finds it
+    return made
 
+
+@pytest.fixture(scope="module")
+def references(cluster, early):
     def get(name: str):
-        files, job = made[name]
+        files, job = early[name]
         fields = finished(cluster, job)
         assert fields["ExitCode"] == "0:0", files.output()
         return files.weights()
@@ -141,12 +158,10 @@ def test_usr1_saves_requeues_and_resumes_bit_exact_and_counts_restarts(cluster, 
     assert same(files.weights(), references("w3")), "resumed weights differ from the uninterrupted run's"
 
 
-def test_the_time_limit_signal_requeues_the_job(cluster, tmp_path, references):
+def test_the_time_limit_signal_requeues_the_job(cluster, early, references):
     """``--time=1 --signal=USR1@55``: SLURM sends USR1 about 5 s into the job (slurmctld checks time limits
     every 30 s, so up to ~35 s); the job saves and is requeued before its time limit, then finishes."""
-    files = JobFiles(str(tmp_path))
-    job = sbatch_recipe(cluster, files, devices=2, args=["--nodes=1", "--time=1", "--signal=USR1@55"],
-                        STEPS="30", STEP_SLEEP="2")  # 60 s of steps: the signal finds it running
+    files, job = early["time_limit"]
     requeued(cluster, job)
     fields = finished(cluster, job)
     assert fields["Restarts"] == "1", fields
@@ -207,31 +222,33 @@ def test_a_job_resubmitted_on_fewer_nodes_resumes_elastically(cluster, cancelled
     assert [(a.world, a.restart_count) for a in runs] == [(3, 0), (2, 0)], runs  # a new job: its own count
     assert runs[1].resumed == 7 and (SAMPLES - 12 * (7 % 5)) % 8 != 0, runs
     check_epochs(accounting(files.account, 36), SAMPLES, padding=1, last_full=False)
+    out = files.output(job)
+    assert out.count("Elastic resume:") == 1, out  # one warning, on global rank 0, naming what changed
 
 
-def test_srun_ranks_with_auto_requeue_off_save_and_are_not_requeued(cluster, tmp_path):
-    files = JobFiles(str(tmp_path))
-    job = sbatch_srun_recipe(cluster, files, nodes=1, tasks=2, SLURM_ENV="auto_requeue=0", STEPS="30", WAIT_AT="5")
-    wait_waiting(cluster, files, job)
-    cluster.command(["scancel", "-s", "USR1", job])
-    fields = finished(cluster, job)
+def test_srun_ranks_requeue_after_their_configured_signal_and_not_with_auto_requeue_off(cluster, tmp_path,
+                                                                                        references):
+    """Ranks started by plain srun (the srun recipe, as a batch job), two jobs at once:
+    ``SLURMEnvironment(requeue_signal="USR2")``: USR2 is recorded, global rank 0 requeues at exit, the job resumes
+    and ends with the uninterrupted weights; ``SLURMEnvironment(auto_requeue=False)``: USR1 is recorded, every rank
+    saves and exits, and the job is not requeued."""
+    usr2, off = JobFiles(str(tmp_path / "usr2")), JobFiles(str(tmp_path / "off"))
+    usr2_job = sbatch_srun_recipe(cluster, usr2, nodes=1, tasks=2, SLURM_ENV="requeue_signal=USR2", STEPS="30",
+                                  WAIT_AT="5")
+    off_job = sbatch_srun_recipe(cluster, off, nodes=1, tasks=2, SLURM_ENV="auto_requeue=0", STEPS="30",
+                                 WAIT_AT="5")
+    wait_waiting(cluster, usr2, usr2_job)
+    cluster.command(["scancel", "-s", "USR2", usr2_job])
+    wait_waiting(cluster, off, off_job)
+    cluster.command(["scancel", "-s", "USR1", off_job])
+    requeued(cluster, usr2_job)
+    finished(cluster, usr2_job)
+    assert f"fabriclite: requeued SLURM job {usr2_job} (scontrol requeue {usr2_job})." in usr2.output()
+    assert counts(usr2) == [0, 1]
+    check_epochs(accounting(usr2.account, 30), SAMPLES, last_full=False)
+    assert same(usr2.weights(), references("w2"))
+    fields = finished(cluster, off_job)
     assert fields["Restarts"] == "0", fields
-    out = files.output()
-    assert "PREEMPTED saved at step" in out and "requeued" not in out, out
-    assert counts(files) == [0]
-
-
-def test_srun_ranks_requeue_after_their_configured_signal(cluster, tmp_path, references):
-    """``SLURMEnvironment(requeue_signal="USR2")`` under plain srun: USR2 is recorded, and global rank 0 requeues at
-    exit; USR1 is not fabriclite's any more (left at its default action: SLURM would end the rank)."""
-    files = JobFiles(str(tmp_path))
-    job = sbatch_srun_recipe(cluster, files, nodes=1, tasks=2, SLURM_ENV="requeue_signal=USR2", STEPS="30",
-                             WAIT_AT="5")
-    wait_waiting(cluster, files, job)
-    cluster.command(["scancel", "-s", "USR2", job])
-    requeued(cluster, job)
-    finished(cluster, job)
-    assert f"fabriclite: requeued SLURM job {job} (scontrol requeue {job})." in files.output()
-    assert counts(files) == [0, 1]
-    check_epochs(accounting(files.account, 30), SAMPLES, last_full=False)
-    assert same(files.weights(), references("w2"))
+    out = off.output()
+    assert "PREEMPTED saved at step 5" in out and "requeued" not in out, out
+    assert counts(off) == [0] and not os.path.exists(off.out)  # saved and stopped: no final weights
