@@ -80,4 +80,6 @@ def _child(repeats: int) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
+    here = os.path.dirname(os.path.abspath(__file__))  # on sys.path as the script's folder: this file is not `ray`
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     _child(int(sys.argv[2]))

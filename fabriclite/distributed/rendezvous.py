@@ -221,11 +221,13 @@ def launch_namespace(store: Store, rank: int, world_size: int, timeout: timedelt
     name, delay = None, 0.001
     while True:
         if time.monotonic() > deadline:
-            where = f"prefix {name}" if name else "no prefix named by rank 0 yet"
-            missing = [r for r in range(world_size)
-                       if name and not store.check([f"{TORCHELASTIC_KEY}{name}/member/{r}"])]
-            raise RendezvousError(f"fabriclite: ranks {missing or '(rank 0)'} of {world_size} never met in torchrun's "
-                                  f"store within {timeout.total_seconds():.0f} s ({where}; rank {rank} waited).")
+            waited = f"within {timeout.total_seconds():.0f} s (rank {rank} of {world_size} waited)"
+            if name is None or store.check([f"{TORCHELASTIC_KEY}{name}/go"]):
+                raise RendezvousError(f"fabriclite: rank 0 of this start never named its part of torchrun's store "
+                                      f"{waited}; the part named there, if any, is an earlier start's. Did rank 0's "
+                                      "worker start (its agent's log)?")
+            missing = [r for r in range(world_size) if not store.check([f"{TORCHELASTIC_KEY}{name}/member/{r}"])]
+            raise RendezvousError(f"fabriclite: ranks {missing} never met in torchrun's store {waited}.")
         if store.check([f"{TORCHELASTIC_KEY}current"]):
             current = store.get(f"{TORCHELASTIC_KEY}current").decode()
             if current != name:
