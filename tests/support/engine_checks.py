@@ -20,29 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-import pytest
 import torch
 
 from helpers import REPO
 from sample_accounting import named_repeats
 
 DOC = REPO / "docs" / "environments.md"
-
-#: other branches of issue 27 whose work some engine tests need, not merged into this one yet (name -> what): those
-#: tests are expected to fail (strict: once the work is merged they pass, fail as XPASS, and the branch comes off
-#: this list). Empty: exact, elastic and slurm are merged.
-PENDING_BRANCHES: Dict[str, str] = {}
-
-
-def pending(*branches: str):
-    """Mark a test that needs the work of ``branches`` (PENDING_BRANCHES) as an expected failure while any is
-    missing here."""
-    waiting = [b for b in branches if b in PENDING_BRANCHES]
-    if not waiting:
-        return lambda test: test
-    return pytest.mark.xfail(strict=True, reason="needs branch " + ", ".join(
-        f"'{b}' ({PENDING_BRANCHES[b]})" for b in waiting))
-
 
 @dataclass
 class Attempt:

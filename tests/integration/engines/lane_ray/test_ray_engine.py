@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
-from engine_checks import accounting, assert_bit_identical, assert_finite, pending, read_attempts, recipe, substitute
+from engine_checks import accounting, assert_bit_identical, assert_finite, read_attempts, recipe, substitute
 from helpers import REPO
 
 ray = pytest.importorskip("ray", reason="the Ray lane runs in its own venv: make env-engine-ray")
@@ -93,7 +93,6 @@ def test_fabriclite_loop_unchanged_at_3_workers(uninterrupted: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-@pending("exact")
 def test_worker_dies_failure_config_restarts_bit_exact(cluster: Cluster, uninterrupted: Path, tmp_path: Path) -> None:
     # rank 1 SIGKILLs itself after step 12: the newest checkpoint (in the shared folder) holds step 10
     result = fit(tmp_path, "3", KILL_AT="12:1")
@@ -109,7 +108,6 @@ def test_worker_dies_failure_config_restarts_bit_exact(cluster: Cluster, uninter
 
 
 @pytest.mark.timeout(600)
-@pending("elastic")
 def test_node_removed_ray_goes_on_with_2_workers_elastic_resume(cluster: Cluster, tmp_path: Path) -> None:
     # last in the module: it takes a node away. Checkpoints every 4 steps: at 3 workers an epoch is 5 steps, so
     # step 8 stops inside epoch 1 (36 of its 50 samples consumed); the 14 left do not divide by 2 x 4.

@@ -26,8 +26,8 @@ from typing import Dict, Iterator, List
 
 import pytest
 
-from engine_checks import (ENGINE_TRAIN, accounting, assert_bit_identical, assert_finite, kill_tree, pending,
-                           read_attempts, torchrun_agents)
+from engine_checks import (ENGINE_TRAIN, accounting, assert_bit_identical, assert_finite, kill_tree, read_attempts,
+                           torchrun_agents)
 from helpers import REPO, clean_env, free_port
 
 SCRIPT = ENGINE_TRAIN
@@ -91,7 +91,6 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "out.pt"
 
 
-@pending("exact", "slurm")
 def test_worker_crash_restarts_every_worker_and_resumes_bit_exact(tmp_path: Path, uninterrupted: Path) -> None:
     # rank 1 SIGKILLs itself after step 12; the newest checkpoint then holds step 10
     agents = _agents(tmp_path, _env(tmp_path, KILL_AT="12:1", SAVE_EVERY="5"))
@@ -108,7 +107,6 @@ def test_worker_crash_restarts_every_worker_and_resumes_bit_exact(tmp_path: Path
     assert_bit_identical(tmp_path / "out.pt", uninterrupted)
 
 
-@pending("elastic")
 def test_killed_agent_the_others_go_on_at_world_size_2(tmp_path: Path) -> None:
     # checkpoints every 4 steps: at 3 ranks an epoch is 5 steps (17 samples a rank), so step 8 stops inside epoch 1 (36 of 50 samples consumed);
     # at 2 ranks the 14 left do not divide by 2 x 4
