@@ -100,6 +100,8 @@ def test_worker_dies_failure_config_restarts_bit_exact(cluster: Cluster, uninter
     attempts = read_attempts(tmp_path / "logs")
     assert [(a.world, a.resumed_step) for a in attempts] == [(3, 0), (3, 10)]
     assert attempts[0].killed == [12]
+    # the shared folder: every new worker loaded the checkpoint the first group's rank 0 wrote there
+    assert {h["resumed_from"] for h in attempts[1].heads.values()} == {"step-0010.ckpt"}
     found = accounting(attempts, N, STEPS)
     assert found["kept"] == [(3, 1, 10), (3, 11, STEPS)]  # the failed attempt's steps 11 and 12 do not count
     # Ray 2.60 tells the workers nothing of its restarts (docs/environments.md): restart_count stays 0
