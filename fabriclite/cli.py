@@ -16,6 +16,8 @@ import sys
 from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from fabriclite.accelerators import ACCELERATORS
+from fabriclite.environments.hostlist import first_host
+from fabriclite.environments.slurm import INTERACTIVE_JOB_NAMES, SLURMEnvironment, parse_signal
 from fabriclite.supervision.output_forwarding import OutputOptions
 from fabriclite.supervision.preemption import PreemptOptions, parse_grace
 from fabriclite.supervision.restarts import MAX_RESTARTS_ENV, RestartPolicy, parse_max_restarts, parse_seconds
@@ -33,11 +35,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--accelerator", default=None, choices=["auto", *sorted(ACCELERATORS)])
     run.add_argument("--strategy", default=None, choices=["auto", *sorted(STRATEGIES)])
     run.add_argument("--devices", default=None, help='processes (cpu) or GPUs on this node: int, "0,1", -1, "auto"')
-    run.add_argument("--num-nodes", "--num_nodes", type=int, default=None)
-    run.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's index (default $NODE_RANK or 0)")
-    run.add_argument("--main-address", "--main_address", default=None, help="node 0's address (default $MASTER_ADDR or 127.0.0.1)")
+    run.add_argument("--num-nodes", "--num_nodes", type=int, default=None,
+                     help="nodes of the job (default: in a SLURM step, $SLURM_STEP_NUM_NODES; else 1)")
+    run.add_argument("--node-rank", "--node_rank", type=int, default=None,
+                     help="this node's index (default: in a SLURM step, $SLURM_NODEID; else $NODE_RANK or 0)")
+    run.add_argument("--main-address", "--main_address", default=None,
+                     help="node 0's address (default $MASTER_ADDR; in a SLURM step, the step's first node; else "
+                          "127.0.0.1)")
     run.add_argument("--main-port", "--main_port", type=int, default=None,
-                     help="node 0's port (default $MASTER_PORT; one node: a free port; several: 29500)")
+                     help="node 0's port (default $MASTER_PORT; in a SLURM step, 15000 + the job id's last 4 digits; "
+                          "one node: a free port; several: 29500)")
     run.add_argument("--precision", default=None)
     run.add_argument("--timeout", type=float, default=None, help="seconds for rendezvous and each collective (default $FABRICLITE_TIMEOUT or 1800)")
     run.add_argument("--rank-prefix", action="store_true", help="prefix every output line with [rank N]")
@@ -51,7 +58,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="seconds ranks get to save and exit after SIGTERM/SIGUSR1 "
                           "(default $FABRICLITE_PREEMPT_GRACE or 20)")
     run.add_argument("--no-requeue", "--no_requeue", action="store_true",
-                     help="under SLURM, do not run `scontrol requeue` after SIGUSR1 (or $FABRICLITE_REQUEUE=0)")
+                     help="under SLURM, do not run `scontrol requeue` after the requeue signal (or "
+                          "$FABRICLITE_REQUEUE=0): save and exit 75")
+    run.add_argument("--requeue-signal", "--requeue_signal", default=None,
+                     help="the signal that means save, exit and requeue: USR1 (default; sbatch --signal=USR1@90), "
+                          "USR2, ... (or $FABRICLITE_REQUEUE_SIGNAL)")
     run.add_argument("--fault-tolerant", "--fault_tolerant", action="store_true",
                      help="live recovery on torchft: each node is a replica group; a failed node is restarted "
                           "(--max-restarts) and heals from a live peer while the others keep training")
@@ -106,8 +117,14 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
     ``run_supervised``. Starts nothing."""
     from fabriclite.connector import CLI_ENV, CLI_USED_ENV, Connector
 
-    num_nodes = args.num_nodes if args.num_nodes is not None else 1
-    node_rank = args.node_rank if args.node_rank is not None else _env_int("NODE_RANK")
+    slurm = _slurm_step(args)
+    num_nodes = args.num_nodes if args.num_nodes is not None else (slurm["num_nodes"] if slurm else 1)
+    node_rank = args.node_rank if args.node_rank is not None else (
+        slurm["node_rank"] if slurm else _env_int("NODE_RANK"))
+    if slurm and args.main_address is None and not os.environ.get("MASTER_ADDR"):
+        args.main_address = slurm["main_address"]
+    if slurm and args.main_port is None and not os.environ.get("MASTER_PORT"):
+        args.main_port = slurm["main_port"]
     if num_nodes < 1:
         raise UsageError(f"--num-nodes {num_nodes}: expected a positive int.")
     if not 0 <= node_rank < num_nodes:
@@ -122,7 +139,8 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
         return _prepare_live(args, num_nodes, node_rank)
     # validate every flag the way Fabric(...) would, before starting anything
     connector = Connector(accelerator=args.accelerator or "auto", strategy=args.strategy or "auto",
-                          devices=args.devices or "auto", num_nodes=num_nodes, precision=args.precision)
+                          devices=args.devices or "auto", num_nodes=num_nodes, precision=args.precision,
+                          plugins=_own_ranks(), launcher_chosen=True)
     flags: Dict[str, Optional[str]] = {
         "accelerator": args.accelerator, "strategy": args.strategy, "devices": args.devices,
         "num_nodes": str(num_nodes) if args.num_nodes is not None else None, "precision": args.precision,
@@ -157,7 +175,7 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
                          "torchft replica group running DDP (torchft 0.2 has no sharded mode over gloo); drop "
                          "--strategy or pass --strategy ddp.")
     connector = Connector(accelerator=args.accelerator or "auto", strategy="ddp", devices=args.devices or 1,
-                          num_nodes=1, precision=args.precision)
+                          num_nodes=1, precision=args.precision, plugins=_own_ranks(), launcher_chosen=True)
     if connector.num_processes != 1:
         raise UsageError(f"--fault-tolerant with --devices {args.devices}: one rank per node only (torchft 0.2's "
                          "DDP reduces across nodes, not inside one); pass --devices 1 and one node per rank.")
@@ -196,7 +214,53 @@ def _output_and_preempt(args: argparse.Namespace) -> Tuple[OutputOptions, Preemp
     if args.preempt_grace is not None:
         preempt.grace_s = parse_grace(args.preempt_grace, "--preempt-grace")
     preempt.requeue = preempt.requeue and not args.no_requeue
+    if args.requeue_signal is not None:
+        preempt.requeue_signal = parse_signal(args.requeue_signal, "--requeue-signal")
     return output, preempt
+
+
+def _own_ranks() -> Optional[List[Any]]:
+    """Inside a SLURM task (``srun fabriclite run``) the CLI's checks count the ranks it will start itself, not
+    SLURM's tasks (one per node): the local environment, forced. None elsewhere (detection as usual)."""
+    if not SLURMEnvironment.detect():
+        return None
+    from fabriclite.environments import LocalEnvironment
+
+    return [LocalEnvironment()]
+
+
+def _slurm_step(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """Inside a SLURM job step with one ``fabriclite run`` per node (``srun --ntasks-per-node=1 fabriclite run
+    ...``): the job's nodes (``$SLURM_STEP_NUM_NODES``), this node's rank (``$SLURM_NODEID``), node 0's address
+    (the step's first host) and port (15000 + the job id's last 4 digits, as SLURMEnvironment's). None outside a
+    step, or where the flags give all of them. UsageError for a step with several tasks on a node (each would
+    start the node's ranks), or for the batch script of a multi-node job (one supervisor for many nodes)."""
+    env = os.environ
+    if not env.get("SLURM_JOB_ID"):
+        return None
+    given = args.num_nodes is not None and args.node_rank is not None and args.main_address is not None
+    if not env.get("SLURM_STEP_ID"):  # the batch script itself (or an salloc shell): not one task per node
+        if env.get("SLURM_JOB_NAME", "").strip() in INTERACTIVE_JOB_NAMES:
+            return None
+        nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+        if nodes.strip() not in ("", "1") and args.num_nodes is None and not given:
+            raise UsageError(f"fabriclite run in the batch script of a {nodes}-node SLURM job would start the ranks "
+                             "of one node only; start one per node: srun --ntasks-per-node=1 fabriclite run ... "
+                             "(or pass --num-nodes and --node-rank yourself).")
+        return None
+    if given:
+        return None
+    nodes = _env_int("SLURM_STEP_NUM_NODES") or _env_int("SLURM_NNODES") or 1
+    tasks = _env_int("SLURM_STEP_NUM_TASKS") or _env_int("SLURM_NTASKS") or nodes
+    if tasks != nodes:
+        raise UsageError(f"this SLURM step runs {tasks} tasks on {nodes} nodes, so several `fabriclite run` would "
+                         "start on one node; start one per node: srun --ntasks-per-node=1 fabriclite run ... "
+                         "(fabriclite run starts the node's ranks itself: --devices).")
+    slurm_env = SLURMEnvironment()
+    return {"num_nodes": nodes, "node_rank": _env_int("SLURM_NODEID"),
+            "main_address": first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or
+                                       "127.0.0.1"),
+            "main_port": slurm_env.main_port if nodes > 1 else None}
 
 
 def _restart_policy(args: argparse.Namespace) -> RestartPolicy:

@@ -60,7 +60,11 @@ class Connector:
         precision: Union[str, int, None] = None,
         plugins: Optional[Any] = None,
         max_restarts: Optional[int] = None,
+        *,
+        launcher_chosen: bool = False,
     ) -> None:
+        """``launcher_chosen``: the caller is a launcher the user chose (``fabriclite run``), so Lightning's hint
+        that ``srun`` exists but is not used is not given."""
         accelerator = _from_cli("accelerator", accelerator, "auto")
         strategy = _from_cli("strategy", strategy, "auto")
         devices = _from_cli("devices", devices, "auto")
@@ -94,7 +98,7 @@ class Connector:
         self.accelerator = self._resolve_accelerator(accelerator, strategy)
         env = forced_env or (strategy.cluster_environment if isinstance(strategy, Strategy) else None)
         self.cluster_environment: ClusterEnvironment = detect_environment(env)
-        if env is None:
+        if env is None and not launcher_chosen:
             _hint_srun(self.cluster_environment)
         self.num_processes, parallel_devices = self._resolve_devices(devices)
         self.precision: Precision = precision_instance or precision_plugin(

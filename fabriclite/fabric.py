@@ -25,7 +25,7 @@ from fabriclite.strategies import Strategy
 from fabriclite.supervision import rank_signals
 from fabriclite.supervision.output_forwarding import line_buffer_stdio
 from fabriclite.supervision.rank_child import ERROR_FILE_ENV, exit_on_error, record_errors
-from fabriclite.supervision.restarts import restart_count
+from fabriclite.supervision.restarts import agree_restart_count, restart_count
 from fabriclite.training import live_recovery, wrapping
 from fabriclite.training.callbacks import as_callback_list, call_hook
 from fabriclite.training.dataloaders import gather_eval as _gather_eval
@@ -70,6 +70,7 @@ class Fabric:
         self._launched = False
         self._joined_by_cli = False
         self._preempted = False
+        self._restart_count: Optional[int] = None
         self._bind_loggers()
         user_warnings.apply_env_switch()  # POSSIBLE_USER_WARNINGS=0 / off (Lightning reads it on import)
         cli = cli_used()
@@ -118,8 +119,12 @@ class Fabric:
 
     @property
     def restart_count(self) -> int:
-        """The restart round this rank runs in: 0 first, 1, 2, ... after each restart (torchrun's under torchrun)."""
-        return restart_count()
+        """How many times this job's training was started again after its first start, as far as fabriclite can
+        know: fabriclite's rounds (``--max-restarts``) + SLURM's requeues (``SLURM_RESTART_COUNT``) + torchrun's
+        restarts (``TORCHELASTIC_RESTART_COUNT``). The same on every rank: agreed at launch (the maximum over the
+        ranks; torchrun's late-joining agents count from 0). Before launch, this process's own count. Ray does not
+        say: restarts by Ray Train are not counted. See docs/reliability.md, "What restart_count counts"."""
+        return self._restart_count if self._restart_count is not None else restart_count()
 
     # ------------------------------------------------------------------ launch
     def run(self, *args: Any, **kwargs: Any) -> Any:
@@ -176,9 +181,10 @@ class Fabric:
             record_errors()
         if self.world_size > 1:
             line_buffer_stdio()  # one write per printed line: ranks sharing a terminal or pipe never glue lines
-        rank_signals.install(self._strategy.global_rank)
+        rank_signals.install(self._strategy.global_rank, self._strategy.cluster_environment)
         self._strategy.setup_environment()
         self._launched = True
+        self._restart_count = agree_restart_count(self._strategy)
         self._bind_loggers()
         if self.world_size > 1:
             share_logger_state(self._loggers, self.global_rank,

@@ -199,6 +199,53 @@ def round_store(store: Store, round_number: int) -> Store:
     return store if round_number == 0 else PrefixStore(f"round{round_number}", store)
 
 
+#: where the ranks of each torchrun round meet in the agents' shared store (see launch_namespace)
+TORCHELASTIC_KEY = "fabriclite/torchelastic/"
+
+
+def launch_namespace(store: Store, rank: int, world_size: int, timeout: timedelta) -> str:
+    """A key prefix that this start of the job's ranks share and no earlier start used, in a store that outlives
+    the ranks and every count they could read (torchrun's: the rank-0 agent keeps one store for every round of the
+    rendezvous, and its agents count restarts each for itself, so ``TORCHELASTIC_RESTART_COUNT`` differs between
+    ranks of one round after a failure one agent noticed first).
+
+    Rank 0 names a fresh prefix under ``current``; each rank registers a fresh nonce under the prefix it read there;
+    rank 0, once all ``world_size`` ranks have, publishes their nonces as ``go``. A rank that read a prefix of an
+    earlier start (its ``go`` lacks this rank's nonce) reads ``current`` again until rank 0 of its own start has
+    named one: earlier starts' ranks are gone before torchrun starts the next ones, so nothing else writes there.
+    RendezvousError naming the missing ranks after ``timeout``."""
+    nonce = os.urandom(8).hex()
+    if rank == 0:
+        store.set(f"{TORCHELASTIC_KEY}current", nonce)
+    deadline = time.monotonic() + timeout.total_seconds()
+    name, delay = None, 0.001
+    while True:
+        if time.monotonic() > deadline:
+            waited = f"within {timeout.total_seconds():.0f} s (rank {rank} of {world_size} waited)"
+            if name is None or store.check([f"{TORCHELASTIC_KEY}{name}/go"]):
+                raise RendezvousError(f"fabriclite: rank 0 of this start never named its part of torchrun's store "
+                                      f"{waited}; the part named there, if any, is an earlier start's. Did rank 0's "
+                                      "worker start (its agent's log)?")
+            missing = [r for r in range(world_size) if not store.check([f"{TORCHELASTIC_KEY}{name}/member/{r}"])]
+            raise RendezvousError(f"fabriclite: ranks {missing} never met in torchrun's store {waited}.")
+        if store.check([f"{TORCHELASTIC_KEY}current"]):
+            current = store.get(f"{TORCHELASTIC_KEY}current").decode()
+            if current != name:
+                name = current
+                store.set(f"{TORCHELASTIC_KEY}{name}/member/{rank}", nonce)
+            base = f"{TORCHELASTIC_KEY}{name}/"
+            if rank == 0 and not store.check([base + "go"]) and \
+                    store.check([f"{base}member/{r}" for r in range(world_size)]):
+                members = [store.get(f"{base}member/{r}").decode() for r in range(world_size)]
+                store.set(base + "go", json.dumps(members))
+            if store.check([base + "go"]):
+                members = json.loads(store.get(base + "go"))
+                if rank < len(members) and members[rank] == nonce:
+                    return f"{TORCHELASTIC_KEY}{name}/"
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
 def prefixed(store: Store, prefix: str) -> PrefixStore:
     """``store`` seen under ``prefix`` (fabriclite's keys live under KEY_PREFIX)."""
     return PrefixStore(prefix, store)

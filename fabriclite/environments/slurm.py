@@ -3,7 +3,7 @@
 import os
 import re
 import signal
-from typing import List, Optional
+from typing import Any, List, Optional, Union
 
 from fabriclite.environments._vars import (first_set, main_address_or, main_port_or, parse_int, read_int,
                                            read_optional_int)
@@ -34,6 +34,50 @@ def parse_tasks_per_node(text: str) -> List[int]:
             )
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts
+
+
+#: ``fabriclite run --requeue-signal`` / this variable: the signal that means "save, exit, requeue" (default USR1)
+REQUEUE_SIGNAL_ENV = "FABRICLITE_REQUEUE_SIGNAL"
+#: ``fabriclite run --no-requeue`` / ``FABRICLITE_REQUEUE=0``: save and exit after it, but do not requeue
+REQUEUE_ENV = "FABRICLITE_REQUEUE"
+DEFAULT_REQUEUE_SIGNAL = signal.SIGUSR1
+#: signals a process cannot handle, or that fabriclite's supervisor uses for itself
+_UNUSABLE = ("SIGKILL", "SIGSTOP", "SIGINT", "SIGCHLD", "SIGPIPE")
+
+
+def parse_signal(value: Any, where: str) -> signal.Signals:
+    """A requeue signal from ``"USR2"``, ``"SIGUSR2"``, ``12`` or ``signal.SIGUSR2``; ValueError naming ``where``,
+    the value and the fix otherwise (also for a signal that cannot be handled, such as SIGKILL)."""
+    sig: Optional[signal.Signals] = None
+    if isinstance(value, signal.Signals):
+        sig = value
+    elif isinstance(value, int) and not isinstance(value, bool):
+        try:
+            sig = signal.Signals(value)
+        except ValueError:
+            sig = None
+    elif isinstance(value, str):
+        text = value.strip().upper()
+        if text.isdigit():
+            return parse_signal(int(text), where)
+        name = text if text.startswith("SIG") else f"SIG{text}"
+        sig = getattr(signal.Signals, name, None) if name.isidentifier() else None
+    if sig is None or sig.name in _UNUSABLE:
+        why = f"{sig.name} cannot be used" if sig is not None else "not a signal"
+        raise ValueError(f"{where}={value!r}: {why}; expected the signal SLURM sends before it stops the job, such "
+                         "as USR1 (the default, sbatch --signal=USR1@90) or USR2.")
+    return sig
+
+
+def requeue_signal_from_env() -> signal.Signals:
+    """``$FABRICLITE_REQUEUE_SIGNAL`` (``--requeue-signal``), else SIGUSR1; ValueError for a bad value."""
+    raw = os.environ.get(REQUEUE_SIGNAL_ENV, "").strip()
+    return parse_signal(raw, f"${REQUEUE_SIGNAL_ENV}") if raw else DEFAULT_REQUEUE_SIGNAL
+
+
+def requeue_from_env() -> bool:
+    """False when ``$FABRICLITE_REQUEUE`` is ``0`` (``--no-requeue``)."""
+    return os.environ.get(REQUEUE_ENV, "1").strip() != "0"
 
 
 #: Lightning's address and port when neither MASTER_* nor SLURM's node list / job id are set
@@ -71,12 +115,20 @@ class SLURMEnvironment(ClusterEnvironment):
 
     name = "slurm"
 
-    def __init__(self, auto_requeue: bool = True, requeue_signal: Optional[signal.Signals] = None) -> None:
-        """``auto_requeue`` / ``requeue_signal`` (default SIGUSR1) are kept as attributes, as Lightning Fabric's
-        (only Lightning's Trainer acts on them); fabriclite's requeueing is configured where the signal is
-        handled: ``fabriclite run --no-requeue`` / ``FABRICLITE_REQUEUE=0`` (docs/reliability.md)."""
+    def __init__(self, auto_requeue: bool = True,
+                 requeue_signal: Optional[Union[signal.Signals, int, str]] = None) -> None:
+        """Lightning's arguments, acted on by ``fabric.launch()`` in ranks that ``srun`` started:
+        ``requeue_signal`` (default ``$FABRICLITE_REQUEUE_SIGNAL``, else SIGUSR1) is recorded instead of ending
+        the rank (``fabric.check_preempted()`` turns True on every rank), and after it, with ``auto_requeue``
+        (and ``$FABRICLITE_REQUEUE`` not ``0``), global rank 0 runs ``scontrol requeue`` at exit. A program that
+        handles the signal itself (submitit) keeps its handler. Under ``fabriclite run`` the supervisor's flags
+        say the same (``--requeue-signal``, ``--no-requeue``). ValueError for a value that is not a usable
+        signal, or an ``auto_requeue`` that is not a bool."""
+        if not isinstance(auto_requeue, bool):
+            raise ValueError(f"SLURMEnvironment(auto_requeue={auto_requeue!r}): expected True or False.")
         self.auto_requeue = auto_requeue
-        self.requeue_signal = signal.SIGUSR1 if requeue_signal is None else requeue_signal
+        self.requeue_signal = (requeue_signal_from_env() if requeue_signal is None else
+                               parse_signal(requeue_signal, "SLURMEnvironment(requeue_signal)"))
 
     @classmethod
     def detect(cls) -> bool:

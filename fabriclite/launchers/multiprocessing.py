@@ -88,7 +88,8 @@ class MultiprocessingLauncher(Launcher):
                 return ProcessWorker(process)
 
             code = supervisor.run(start)
-            if code in (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGUSR1, EXIT_PREEMPTED):
+            stopped_by = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, supervisor.preemption.options.requeue_signal)
+            if code in (*(128 + int(sig) for sig in stopped_by), EXIT_PREEMPTED):
                 print_summary(supervisor.summary)
                 if code == 128 + signal.SIGINT:
                     raise KeyboardInterrupt(supervisor.summary)

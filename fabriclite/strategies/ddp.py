@@ -143,8 +143,8 @@ class DDPStrategy(ParallelStrategy):
         if getattr(env, "uses_agent_store", False) or _torchelastic_agent_store():
             store: dist.Store = rendezvous.join_store(address, port, self.timeout)
             store = rendezvous.round_store(store, int(os.environ.get(rendezvous.ROUND_ENV, "0") or 0))
-            if _torchelastic_agent_store():
-                store = dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+            if _torchelastic_agent_store():  # one store for every round; the agents' restart counts may differ
+                store = dist.PrefixStore(rendezvous.launch_namespace(store, rank, world, self.timeout), store)
         elif rank == 0:
             store = rendezvous.host_store(address, port, self.timeout)
         else:

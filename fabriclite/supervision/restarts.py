@@ -71,14 +71,45 @@ def resolve_max_restarts(value: Optional[int]) -> int:
     return value
 
 
+#: Where restarts are counted, each by whoever restarted the job: fabriclite's rounds (this allocation's
+#: supervisor), SLURM's requeues of this job, torchrun's restarts (per agent: an agent that joins late starts at 0)
+RESTART_COUNTERS = (rendezvous.ROUND_ENV, "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+
+
 def restart_count() -> int:
-    """This rank's round: ``$FABRICLITE_RESTART_COUNT`` under fabriclite's supervisor, torchrun's
-    ``$TORCHELASTIC_RESTART_COUNT`` under torchrun, else 0."""
-    for name in (rendezvous.ROUND_ENV, "TORCHELASTIC_RESTART_COUNT"):
-        raw = os.environ.get(name, "")
-        if raw.isdigit():
-            return int(raw)
-    return 0
+    """This process's count of restarts: the sum of ``$FABRICLITE_RESTART_COUNT`` (fabriclite's round in this
+    allocation), ``$SLURM_RESTART_COUNT`` (SLURM's requeues of this job) and ``$TORCHELASTIC_RESTART_COUNT``
+    (torchrun's restarts, as this rank's agent counts them); 0 where none is set. A value that is not a whole
+    number is a ValueError naming it. ``fabric.restart_count`` is this value agreed over the job at launch
+    (:func:`agree_restart_count`)."""
+    total = 0
+    for name in RESTART_COUNTERS:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            continue
+        if not raw.isdigit():
+            raise ValueError(f"{name}={raw!r} is not a whole number >= 0 (a count of restarts); unset it or fix "
+                             "whatever set it.")
+        total += int(raw)
+    return total
+
+
+def needs_agreement() -> bool:
+    """Whether ranks of one job may count restarts differently: only under torchrun, whose agents count their own
+    (one that joined late starts at 0). fabriclite's rounds and SLURM's requeue count are the same on every rank."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
+def agree_restart_count(strategy: Any) -> int:
+    """:func:`restart_count`, the same on every rank: the maximum over the job (one all_reduce of one number, at
+    launch, only where :func:`needs_agreement`; a collective: every rank calls it)."""
+    local = restart_count()
+    if strategy.world_size == 1 or not needs_agreement():
+        return local
+    import torch
+
+    tensor = torch.tensor([float(local)], device=strategy.root_device)
+    return int(strategy.flat_all_reduce(tensor, "max", None)[0].item())
 
 
 @dataclass

@@ -13,8 +13,8 @@ the job into one clear ending.
   nodes have ended (or, after a failure, read it).
 - The ranks die with the supervisor (PR_SET_PDEATHSIG), and a reaper process kills what they
   started if the supervisor is killed (see reaper.py).
-- SIGINT to the supervisor stops every rank (exit code 130); the first SIGTERM / SIGUSR1 is a preemption
-  notice with a grace period (supervision/preemption.py), a second one stops every rank (128 + signal).
+- SIGINT to the supervisor stops every rank (exit code 130); the first SIGTERM / requeue signal (SIGUSR1) is a
+  preemption notice with a grace period (supervision/preemption.py), a second one stops every rank (128 + signal).
 - Restarts (supervision/restarts.py): with ``restarts.max_restarts``, a failed round is followed by a new one.
 - Live recovery (``live``, supervision/lighthouse.py): the node is a job of its own (its own store, restarts
   and exit code); node 0's supervisor also runs the lighthouse, the one thing the nodes share.
@@ -144,7 +144,7 @@ class Supervisor:
             "LOCAL_WORLD_SIZE": str(layout.local_world_size), "NODE_RANK": str(layout.node_rank),
             ERROR_FILE_ENV: self._error_file(local_rank), SUPERVISOR_PID_ENV: str(os.getpid()),
             rendezvous.ROUND_ENV: str(self.round), rendezvous.RUN_ID_ENV: self.run_id,
-            MAX_RESTARTS_ENV: str(self.restarts.max_restarts),
+            MAX_RESTARTS_ENV: str(self.restarts.max_restarts), **self.preemption.options.child_env(),
         })
         return {**self.extra_env, **values}
 
@@ -377,11 +377,11 @@ class Supervisor:
     def _install_signal_handlers(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, *self.preemption.options.signals)}
 
         def handler(signum: int, frame: Any) -> None:
             if not self._opening and self.preemption.notice(signum, self._workers):
-                return  # the first SIGTERM / SIGUSR1: a grace period (see supervision/preemption.py)
+                return  # the first SIGTERM / requeue signal: a grace period (see supervision/preemption.py)
             self._signal = signum
             if self._opening:  # waiting for node 0's store: stop waiting now
                 raise _Interrupted()

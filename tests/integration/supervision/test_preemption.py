@@ -1,6 +1,8 @@
 """Preemption: SIGUSR1 / SIGTERM to the supervisor, the ranks' agreement (check_preempted, on_preempt), the
-check_preempted save, exit 75 and a second launch that ends with the uninterrupted weights bit for bit, and
-SLURM's requeue checked with a stub `scontrol` on PATH that records its arguments."""
+check_preempted save, exit 75 and a second launch that ends with the uninterrupted weights bit for bit, the
+requeue signal (`--requeue-signal`) and a program's own handler for it. SLURM's requeue itself (`scontrol requeue`
+after the signal, its opt-outs, array tasks, plain srun ranks) runs against a real SLURM in the SLURM engine lane
+(tests/integration/engines/lane_slurm)."""
 from __future__ import annotations
 
 import os
@@ -61,43 +63,53 @@ print(f"AGREED {fabric.global_rank} {agreed} {fabric.preempted}", flush=True)
 '''
 
 
-@pytest.fixture()
-def stub_scontrol(tmp_path):
-    """A `scontrol` on PATH that appends its arguments to a file and exits with $STUB_CODE."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    record = tmp_path / "scontrol.args"
-    stub = bin_dir / "scontrol"
-    stub.write_text(f'#!/bin/sh\necho "$@" >> {record}\nexit ${{STUB_CODE:-0}}\n')
-    stub.chmod(0o755)
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}, record
-
-
-def test_slurm_requeue_after_sigusr1_and_its_opt_outs(tmp_path, stub_scontrol):
-    path_env, record = stub_scontrol
+def test_the_requeue_signal_and_sigterm_reach_every_rank_once(tmp_path):
     script = tmp_path / "waiter.py"
     script.write_text(textwrap.dedent(WAITER))
-    slurm = {**path_env, "SLURM_JOB_ID": "4242", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"}
-    jobs = {  # name: (flags, env, signal)
-        "requeued": ([], slurm, signal.SIGUSR1),
-        "opted_out": (["--no-requeue"], slurm, signal.SIGUSR1),
-        "sigterm": ([], {**slurm, "FABRICLITE_REQUEUE": "1"}, signal.SIGTERM),  # SIGTERM never requeues
+    jobs = {  # name: (flags, signal): no SLURM job here, so nothing is requeued and every job exits 75
+        "usr1": ([], signal.SIGUSR1),
+        "sigterm": ([], signal.SIGTERM),
+        "usr2": (["--requeue-signal", "USR2"], signal.SIGUSR2),  # the configured signal, forwarded and recorded
     }
-    procs = {name: start(flags, env, str(script)) for name, (flags, env, _) in jobs.items()}
+    procs = {name: start(flags, {}, str(script)) for name, (flags, _) in jobs.items()}
     for name, proc in procs.items():
-        signal_when(proc, "ALL READY", jobs[name][2])
-    results = {name: finish(proc) for name, proc in procs.items()}
-    code, out, err = results["requeued"]
-    assert code == 0, err
-    assert "fabriclite: requeued SLURM job 77_3 (scontrol requeue 77_3)." in err
-    assert record.read_text().splitlines() == ["requeue 77_3"]  # once, by node 0's supervisor, after the ranks
-    for name in ("requeued", "opted_out", "sigterm"):
-        code, out, err = results[name]
+        signal_when(proc, "ALL READY", jobs[name][1])
+    for name, proc in procs.items():
+        code, out, err = finish(proc)
         assert "HOOK rank 0" in out and "HOOK rank 1" in out and out.count("HOOK") == 2, (name, out)
         assert "AGREED 0 [True, True] True" in out and "AGREED 1 [True, True] True" in out, (name, out)
-        if name != "requeued":
-            assert code == 75, (name, err)
-            assert f"preempted ({jobs[name][2].name}); exit code 75" in err, (name, err)
+        assert code == 75, (name, err)
+        assert f"preempted ({jobs[name][1].name}); exit code 75" in err, (name, err)
+        assert "requeue" not in err.replace("(preempted, resumable", ""), (name, err)
+
+
+OWN_HANDLER = r'''
+import os, signal
+from fabriclite import Fabric
+from fabriclite.supervision import rank_signals
+
+def submitit_like(signum, frame):  # a program's own handler for the requeue signal (submitit installs one)
+    print("OWN HANDLER", flush=True)
+
+signal.signal(signal.SIGUSR2, submitit_like)
+fabric = Fabric(accelerator="cpu")
+fabric.launch()
+os.kill(os.getpid(), signal.SIGUSR2)
+print("RECORDED", rank_signals.received(), fabric.check_preempted(), flush=True)
+'''
+
+
+def test_a_program_that_handles_the_requeue_signal_keeps_its_handler_and_is_told_once(tmp_path):
+    script = tmp_path / "own.py"
+    script.write_text(OWN_HANDLER)
+    done = fabriclite_run(["--devices", "2", "--requeue-signal", "USR2"], {}, script=str(script), timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("OWN HANDLER") == 2 and done.stdout.count("RECORDED None False") == 2, done.stdout
+    told = [line for line in done.stderr.splitlines() if "already handles SIGUSR2" in line]
+    assert len(told) == 1 and told[0] == (  # once per job: global rank 0
+        "fabriclite: this program already handles SIGUSR2 (handler __main__.submitit_like); fabriclite leaves it "
+        "alone: it does not record SIGUSR2 for fabric.check_preempted() and does not requeue the job after it (the "
+        "program's handler does that, as submitit's does)."), done.stderr
 
 
 def test_bad_preempt_grace_is_one_error_line(tmp_path):
@@ -137,27 +149,6 @@ def test_check_preempted_agrees_on_every_rank_and_calls_the_hook_once(pool2):
     for before, answers, preempted, calls in pool2.run(_agree_on_one_ranks_signal):
         assert before is False and answers == [True, True, True] and preempted is True
         assert len(calls) == 1
-
-
-def test_without_a_supervisor_global_rank_0_requeues_at_exit(tmp_path, stub_scontrol):
-    path_env, record = stub_scontrol
-    script = tmp_path / "alone.py"
-    script.write_text(textwrap.dedent('''
-        import os, signal
-        from fabriclite import Fabric
-        from fabriclite.supervision import rank_signals as preemption
-        fabric = Fabric(accelerator="cpu", devices=1)  # as srun would start it: no fabriclite supervisor
-        fabric.launch()
-        os.kill(os.getpid(), signal.SIGUSR1)  # recorded, not fatal
-        print("RECORDED", preemption.received() == signal.SIGUSR1, fabric.check_preempted(), flush=True)
-    '''))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FABRICLITE_", "SLURM_"))}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          env={**env, **path_env, "SLURM_JOB_ID": "99", "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr
-    assert "RECORDED True True" in done.stdout
-    assert record.read_text().splitlines() == ["requeue 99"]
-    assert "fabriclite: requeued SLURM job 99 (scontrol requeue 99)." in done.stderr
 
 
 SLEEPER = r'''

@@ -74,11 +74,33 @@ def test_settings_are_parsed_with_clear_errors(monkeypatch):
         restarts.resolve_max_restarts(1)
 
 
-def test_the_round_comes_from_the_supervisor_or_torchrun(monkeypatch):
-    monkeypatch.delenv("FABRICLITE_RESTART_COUNT", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+def test_the_restart_count_adds_fabriclites_rounds_slurms_requeues_and_torchruns_restarts(monkeypatch):
+    for name in restarts.RESTART_COUNTERS:
+        monkeypatch.delenv(name, raising=False)
     assert restarts.restart_count() == 0
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "4")
     assert restarts.restart_count() == 4
     monkeypatch.setenv("FABRICLITE_RESTART_COUNT", "2")
-    assert restarts.restart_count() == 2
+    assert restarts.restart_count() == 6
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued once, then a fabriclite round in the new allocation
+    assert restarts.restart_count() == 3
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "one")
+    with pytest.raises(ValueError, match="SLURM_RESTART_COUNT='one' is not a whole number"):
+        restarts.restart_count()
+
+
+def test_the_restart_count_is_agreed_only_under_torchrun(monkeypatch):
+    class Alone:
+        world_size = 1
+
+    class Three:
+        world_size = 3
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert not restarts.needs_agreement()
+    assert restarts.agree_restart_count(Alone()) == 2
+    assert restarts.agree_restart_count(Three()) == 2  # every rank of a SLURM job reads the same count
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert restarts.needs_agreement()  # each agent counts its own: the ranks take the maximum (a collective)
