@@ -72,7 +72,7 @@ def _one(cluster, root: str) -> Dict[str, float]:
     cluster.wait_state(job, ["COMPLETED"], 300)
     events = _events(os.path.join(files.account, "events.log"))
     saved = next(float(t) for name, t, *_ in events if name == "saved")
-    again = [float(t) for name, t, _job, restarts, *_ in events if name == "first_step" and restarts == "1"][0]
+    again = [float(t) for name, t, attempt in events if name == "first_step" and attempt.split("-")[1] == "1"][0]
     return {PARTS[0]: saved - signalled, PARTS[1]: requeued - saved, PARTS[2]: started - requeued,
             PARTS[3]: again - started}
 
