@@ -255,7 +255,8 @@ def _slurm_step(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     if tasks != nodes:
         raise UsageError(f"this SLURM step runs {tasks} tasks on {nodes} nodes, so several `fabriclite run` would "
                          "start on one node; start one per node: srun --ntasks-per-node=1 fabriclite run ... "
-                         "(fabriclite run starts the node's ranks itself: --devices).")
+                         "(fabriclite run starts the node's ranks itself: --devices), or pass --num-nodes, "
+                         "--node-rank and --main-address yourself.")
     slurm_env = SLURMEnvironment()
     return {"num_nodes": nodes, "node_rank": _env_int("SLURM_NODEID"),
             "main_address": first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or

@@ -7,6 +7,8 @@
 #   make test-engine-<lane>   run one lane's tests (tests/integration/engines/lane_<lane>)
 #   make test-engines         CI=true: build what is missing and run every lane; otherwise run the lanes whose
 #                             environment is ready and say why each other one is skipped. Ends with a summary.
+#   make bench-engines        each engine's recovery in parts (benchmarks/engines.py -> benchmarks/results/engines.md;
+#                             an engine that cannot run here is skipped with its line; SLURM needs root)
 # Each lane script takes: (no flag) build | --check (exit 0 when ready, 1 when not built, 3 when it cannot run
 # here at all, e.g. the slurm lane as non-root: skipped with its --why line even in CI) | --why (one line) | --python (the
 # interpreter the lane's tests run with). Included by the main Makefile.
@@ -15,7 +17,10 @@ ENGINE_LANES := slurm torchrun ray
 ENGINE_ENV = bash scripts/engines/$(1).sh
 ENGINE_PYTEST = PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} FABRICLITE_ENGINE=$(1) $(2) -m pytest -q -p no:cacheprovider tests/integration/engines/lane_$(1)
 
-.PHONY: test-engines $(ENGINE_LANES:%=env-engine-%) $(ENGINE_LANES:%=test-engine-%)
+.PHONY: test-engines bench-engines $(ENGINE_LANES:%=env-engine-%) $(ENGINE_LANES:%=test-engine-%)
+
+bench-engines: venv
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/engines.py
 
 $(ENGINE_LANES:%=env-engine-%): venv
 	$(call ENGINE_ENV,$(@:env-engine-%=%))

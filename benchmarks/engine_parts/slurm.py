@@ -2,7 +2,9 @@
 training job (tests/integration/engines/lane_slurm/slurm_train.py) submitted with docs/environments.md's sbatch
 recipe (3 nodes x `fabriclite run --devices 1`), ``scancel -s USR1`` at step 8, then:
 
-- signal -> saved: ``scancel`` returned -> rank 0's preemption save done (every rank saved);
+- signal -> saved: ``scancel`` returned -> rank 0's preemption save done (every rank saved). The job waits at
+  step 8 for the signal (WAIT_AT), so its ``check_preempted()`` runs at once: this is the agreement and the save,
+  not the wait for a loop's next check (up to one step in a real loop);
 - saved -> requeued: -> SLURM shows the job pending again with Restarts=1 (the ranks exited, node 0's supervisor
   ran ``scontrol requeue``, SLURM took the job back);
 - requeued -> started (SLURM's own delay): -> SLURM runs the job again. Nothing speeds it up here: this is the
@@ -72,7 +74,7 @@ def _one(cluster, root: str) -> Dict[str, float]:
     cluster.wait_state(job, ["COMPLETED"], 300)
     events = _events(os.path.join(files.account, "events.log"))
     saved = next(float(t) for name, t, *_ in events if name == "saved")
-    again = [float(t) for name, t, _job, restarts, *_ in events if name == "first_step" and restarts == "1"][0]
+    again = [float(t) for name, t, attempt in events if name == "first_step" and attempt.split("-")[1] == "1"][0]
     return {PARTS[0]: saved - signalled, PARTS[1]: requeued - saved, PARTS[2]: started - requeued,
             PARTS[3]: again - started}
 

@@ -81,19 +81,24 @@ def slurm_job() -> Optional[str]:
 
 
 def requeue(print_to: Any = sys.stderr) -> bool:
-    """Run ``scontrol requeue <job>`` (see slurm_job); whether it succeeded. Says what happened on
-    ``print_to`` (stderr by default)."""
+    """Run ``scontrol requeue <job>`` (see slurm_job); whether it succeeded. Says what it does on ``print_to``
+    (stderr by default) before it runs it: SLURM ends every process of the job as it requeues it, this one and
+    scontrol included, so a line printed after could be lost. A scontrol ended by SIGTERM / SIGKILL is taken as
+    that (requeued); a failure is said with scontrol's message."""
     job = slurm_job()
     if job is None:
         return False
+    out = print_to or sys.stderr
+    print(f"fabriclite: requeueing SLURM job {job} (scontrol requeue {job}).", file=out, flush=True)
     try:
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-        ok, detail = done.returncode == 0, (done.stderr or done.stdout).strip()
+        ok = done.returncode == 0 or -done.returncode in (signal.SIGTERM, signal.SIGKILL)
+        detail = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
     except (OSError, subprocess.TimeoutExpired) as err:
         ok, detail = False, str(err)
-    message = (f"fabriclite: requeued SLURM job {job} (scontrol requeue {job})." if ok else
-               f"fabriclite: could not requeue SLURM job {job}: scontrol requeue {job} failed: {detail}")
-    print(message, file=print_to or sys.stderr, flush=True)
+    if not ok:
+        print(f"fabriclite: could not requeue SLURM job {job}: scontrol requeue {job} failed: {detail}", file=out,
+              flush=True)
     return ok
 
 

@@ -41,7 +41,7 @@ from fabriclite.environments.slurm import SLURMEnvironment, requeue_from_env, re
 from fabriclite.supervision.rank_child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
 from fabriclite.supervision.preemption import requeue, stop_marker
 
-#: the signals recorded by default (the requeue signal may be configured: ``signals()``)
+#: the signals recorded by default (the requeue signal may be another: ``requeue_settings``)
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _received: Optional[int] = None
 _installed = False

@@ -160,8 +160,18 @@ class SlurmCluster:
 
     def start_now(self, job_id: str) -> None:
         """The test harness's speed-up after a requeue: SLURM holds a requeued job for about 2 minutes (its begin
-        time); ``scontrol update JobId=... StartTime=now`` lets it start at once. Nothing else changes."""
+        time); ``scontrol update JobId=... StartTime=now`` lets it start at once. Nothing else changes. It waits
+        first until no node is still completing a job, and 2 s past the requeue: slurmd revokes the job's old
+        credential at the requeue, to the second, and a start within that second is refused ("Job credential
+        revoked"), which SLURM's own delay never meets."""
+        self.wait(lambda: not self.completing(), 120, "the nodes done with the requeued job")
+        time.sleep(2)  # past the revocation's second (see above)
         self.command(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+
+    def completing(self) -> List[str]:
+        """Nodes still completing a job (sinfo's ``comp`` state)."""
+        done = self.command(["sinfo", "-h", "-N", "-o", "%N %t"], check=False)
+        return [line.split()[0] for line in done.stdout.splitlines() if "comp" in line]
 
     def idle_nodes(self) -> int:
         done = self.command(["sinfo", "-h", "-N", "-o", "%N %t"], check=False)
@@ -214,19 +224,27 @@ class SlurmCluster:
             f.write("\n".join(lines) + "\n")
 
     def _map_hosts(self) -> None:
+        self._unmap_hosts(stale_only=True)  # a lane killed before its stop() left its line: drop it
         unresolved = [n for n in self.nodes if not _resolves_to_loopback(n)]
         if not unresolved:
             return
         with open(HOSTS_FILE, "a") as f:
             f.write(f"127.0.0.1 {' '.join(unresolved)} {self.hosts_marker}\n")
 
-    def _unmap_hosts(self) -> None:
+    def _unmap_hosts(self, stale_only: bool = False) -> None:
         try:
             with open(HOSTS_FILE) as f:
                 lines = f.readlines()
         except OSError:
             return
-        kept = [line for line in lines if self.hosts_marker not in line]
+
+        def drop(line: str) -> bool:
+            if stale_only:
+                match = re.search(r"# fabriclite slurm lane (\d+) ", line)
+                return match is not None and not _alive(int(match.group(1)))
+            return self.hosts_marker in line
+
+        kept = [line for line in lines if not drop(line)]
         if len(kept) != len(lines):
             with open(HOSTS_FILE, "w") as f:  # in place: /etc/hosts may be a bind mount
                 f.writelines(kept)
