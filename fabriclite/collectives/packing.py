@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections import deque
-from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from fabriclite.collectives.header import CAPACITY, HISTORY, MAX_WIDTH, UNIT
+from fabriclite.collectives.buffers import (POOL_MIN_BYTES, SKELETON_AT, UNIT, Header, Message, Packed, Row, Slot,
+                                            Words, pool_of)
 from fabriclite.collectives.plans import MAX_SIZE, Bucket, GatherPlan, Layout, Plan, align
 from fabriclite.collectives.state import Context
-from fabriclite.collectives.unpacking import POOL_MIN_BYTES, SKELETON_AT, Slot, pool_of
 
 _item = Tensor.item
 #: wire dtypes numpy can write directly
@@ -37,57 +36,6 @@ def units(nbytes: int) -> int:
         raise ValueError(f"{nbytes} bytes from one rank in one call is more than a collective carries "
                          f"({MAX_SIZE * UNIT} bytes); split the data over several calls.")
     return n
-
-
-# ---------------------------------------------------------------------------------------------- header rows
-def max_width(size: int) -> int:
-    """The widest header row for a group of ``size``: 8 KiB for small groups, shrinking so the exchanged
-    headers stay near 32 KiB; a power of two, at least 2."""
-    width = 2
-    while width * 2 <= min(MAX_WIDTH, 4096 // max(size, 1)):
-        width *= 2
-    return width
-
-
-class Words:
-    """One header buffer of a group on this rank, reused across calls: ``width`` int64 words per rank,
-    this rank's inline ``payload`` region (``capacity`` bytes, uint8; ``payload_np``: the same memory as a
-    numpy array on CPU, else None); a row of at most ``room`` bytes rides inline. ``gathered`` holds every
-    rank's words after the exchange (width 1: an int64 SUM all_reduce with this rank's word at its index and
-    zeros elsewhere; wider rows: an all_gather), ``rows`` every rank's payload. Nothing handed to a caller
-    is a view of it."""
-
-    def __init__(self, owner: "Header", width: int) -> None:
-        size, index, device = owner.size, owner.index, owner.device
-        self.owner, self.width, self.size = owner, width, size
-        self.capacity = CAPACITY if width == 1 else 8 * (width - 1)
-        self.room = CAPACITY if width == 1 else self.capacity // UNIT * UNIT
-        self.gathered = torch.zeros((size, width), dtype=torch.int64, device=device)
-        self.mine = self.gathered[index] if width == 1 else torch.zeros(width, dtype=torch.int64, device=device)
-        self.payload = self.mine.view(torch.uint8)[:self.capacity]
-        self.own_rows = self.rows = self.gathered.view(torch.uint8)[:, :self.capacity]
-        self.result = self.gathered
-        self.sized = False
-        cpu = self.gathered.device.type == "cpu"
-        self.numpy = self.gathered.numpy() if cpu else None
-        mine_np = self.mine.numpy() if cpu else None
-        self.halves = mine_np.view("uint32") if mine_np is not None else None
-        #: every rank's last word as (low, tag) uint32 pairs, read straight from the exchanged buffer
-        self.last_halves = self.numpy[:, -1:].view("uint32") if self.numpy is not None else None
-        self.payload_np = mine_np.view("uint8")[:self.capacity] if mine_np is not None else None
-
-
-class Header:
-    """The header of one group on this rank: its buffers by width and the recent payload sizes that set the
-    next call's width (``header.agree`` records them). Every rank of the group sees the same calls agree, so
-    every rank computes the same width for the next call: the exchange always matches up."""
-
-    def __init__(self, size: int, index: int, device: torch.device) -> None:
-        self.size, self.index, self.device = size, index, device
-        self.limit = max_width(size)
-        self.needs: Deque[int] = deque([1], maxlen=HISTORY)
-        self.width = 1
-        self.buffers: Dict[int, Words] = {}
 
 
 def begin(ctx: Context) -> Words:
@@ -112,20 +60,6 @@ def begin(ctx: Context) -> Words:
 
 
 # ---------------------------------------------------------------------------------------------- reductions
-class Packed(NamedTuple):
-    """A reduction's leaves on the wire: the header row ``words`` (None: no header exchange); ``inline``: the
-    data is in its payload, nothing else to send; else per bucket ``(wire buffer, divided, slot, source)``:
-    ``divided``, a mean was (or the wire divides it) before the sum; ``slot``, the reused buffer (pool slot) a
-    large single tensor ``source`` is copied into by the wire while it is reduced; or, ``inplace``, ``source``
-    is the caller's tensor, divided in place by the wire. ``low``: the header's low half (this row's size in
-    units), or None when the payload fills it."""
-
-    words: Optional[Words]
-    inline: bool
-    buffers: List[Tuple[Tensor, bool, Optional[Slot], Optional[Tensor]]]
-    low: Optional[int]
-
-
 def pack_reduce(ctx: Context, plan: Plan, leaves: Sequence[Any], header: bool) -> Packed:
     """A reduction's leaves into the payload of the group's header row (``words``, when ``header``) when they
     fit, else one wire buffer per bucket (a mean over a power-of-two group divided while packing; a large
@@ -250,17 +184,6 @@ def _write(dest: Tensor, parts: Sequence[Tuple[int, Tensor]]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- gathers
-class Row:
-    """This rank's all_gather row: the header row ``words`` (None: no header exchange), its ``length``,
-    ``low`` (its length in UNIT-byte units; None when it fills a width-1 header), and either ``inline`` (written
-    into the header's payload) or ``parts`` ((byte offset, uint8 tensor)) the wire assembles; ``slot``: the
-    reused output buffer one large tensor is gathered into."""
-
-    def __init__(self, words: Optional[Words], length: int, low: Optional[int], inline: bool,
-                 parts: List[Tuple[int, Tensor]], slot: Optional[Slot] = None) -> None:
-        self.words, self.length, self.low, self.inline, self.parts, self.slot = words, length, low, inline, parts, slot
-
-
 def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], header: bool) -> Row:
     """This rank's row (raises what packing or pickling raises, or ValueError for a row too long for one
     call): written straight into the payload of the group's header row (``words``, when ``header``) when it
@@ -320,22 +243,6 @@ class _Pickler(pickle.Pickler):
             self.tensors.append(obj)
             return (len(self.tensors) - 1, str(obj.dtype).replace("torch.", ""), tuple(obj.shape))
         return None
-
-
-class Message(NamedTuple):
-    """A broadcast's object as ``skeleton`` (its pickle, tensors left out) and the tensors' bytes ``parts``
-    ((offset, uint8 tensor), ``nbytes`` in all); ``message``: the whole as parts (skeleton length, skeleton,
-    tensor bytes), ``length`` bytes, ``low`` units; the header row ``words`` (None: no header exchange);
-    ``inline``: the message is written into its payload."""
-
-    words: Optional[Words]
-    skeleton: bytes
-    parts: List[Tuple[int, Tensor]]
-    nbytes: int
-    message: List[Tuple[int, Tensor]]
-    length: int
-    low: int
-    inline: bool
 
 
 def pack_message(ctx: Context, obj: Any, is_src: bool, header: bool) -> Message:

@@ -13,12 +13,13 @@ import torch
 
 from fabriclite import Fabric, collectives
 from fabriclite.collectives import ops
+from fabriclite.collectives.buffers import Pool
 from fabriclite.collectives.header import TAG_ERROR, UNIT
 from fabriclite.collectives.packing import units
 from fabriclite.collectives.plans import MAX_SIZE, Call, call_tag, wire_and_result
 from fabriclite.collectives.state import state_of
 from fabriclite.collectives.structure import Spec, flatten, signature
-from fabriclite.collectives.unpacking import Pool, rebuild
+from fabriclite.collectives.unpacking import rebuild
 
 Point = namedtuple("Point", "x y")
 
