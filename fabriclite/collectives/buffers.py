@@ -43,7 +43,16 @@ class Slot:
     def __init__(self, buffer: Tensor, make_views: Views) -> None:
         self.buffer = buffer
         self.views = tuple(make_views(buffer))
+        #: the buffer as a numpy array (CPU), made on first use and kept: one more user of the memory
+        self.array: Any = None
         self.commit()
+
+    def numpy(self) -> Any:
+        """The buffer (on the CPU) as a numpy array sharing its memory, made once."""
+        if self.array is None:
+            self.array = self.buffer.numpy()
+            self.uses += 1
+        return self.array
 
     def _uses(self) -> int:
         return int(_use_count(self.buffer.untyped_storage()._cdata)) if _use_count is not None else -1
@@ -53,7 +62,7 @@ class Slot:
         users are the buffer, its views and the storage handle ``_uses`` makes; counted, not measured,
         since a backend may still hold the buffer of a finished collective for a moment."""
         self.version = self.buffer._version
-        self.uses = 2 + len(self.views)
+        self.uses = 2 + len(self.views) + (self.array is not None)
 
     def free(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
         buffer = self.buffer

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fabriclite.collectives.buffers import HISTORY, UNIT, Message, Packed, Row, Slot, Words
+from fabriclite.collectives.buffers import (HISTORY, POOL_MIN_LEAVES, UNIT, Message, Packed, Row, Slot, Words,
+                                            pool_of)
 from fabriclite.collectives.ops import BITWISE_OPS, OP_NAMES
 from fabriclite.collectives.plans import (ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, KIND_NAMES, REDUCE,
                                           Bucket, Call, GatherPlan, Plan)
@@ -140,12 +141,19 @@ def wire_reduce(ctx: Context, plan: Plan, packed: Packed, finish: bool = True) -
                 buf = _reduce_rows(_inline_rows(words.rows, bucket), plan.op)
                 out.append((_finish(buf, bucket.result, size, divide) if finish else buf, None))
                 continue
-            ufunc = plan.reduce_np
+            ufunc, slot, target = plan.reduce_np, None, None
+            if finish and bucket.scalar and len(bucket.ids) >= POOL_MIN_LEAVES:  # into a reused result buffer
+                slot = pool_of(bucket, "flat").acquire((bucket.numel,), bucket.result, ctx.device)
+                target = slot.numpy() if bucket.perm is None else _scratch(bucket, values.dtype)
             if len(values) == 2:  # one binary op costs less than a reduction
-                values = ufunc(values[0], values[1])
+                values = ufunc(values[0], values[1], out=target)
             else:  # numpy sums int32 as int64 otherwise
-                values = ufunc.reduce(values, axis=0, dtype=values.dtype)
-            out.append((values / size if divide else values, None))
+                values = ufunc.reduce(values, axis=0, dtype=values.dtype, out=target)
+            if divide:
+                values = np.divide(values, size, out=target)
+            if slot is not None and bucket.perm is not None:  # to the caller's order (whole buckets only)
+                values = np.take(values, bucket.inverse_np, out=slot.numpy())
+            out.append((values, slot))
         return out
     for (buf, divided, slot, source), bucket in zip(packed.buffers, plan.buckets):
         if size > 1:
@@ -158,6 +166,14 @@ def wire_reduce(ctx: Context, plan: Plan, packed: Packed, finish: bool = True) -
             buf, slot = (buf, slot) if result is flat else (result.view(buf.shape), None)
         out.append((_finish(buf, bucket.result, size, mean and not divided) if finish else buf, slot))
     return out
+
+
+def _scratch(bucket: Bucket, dtype: Any) -> Any:
+    """A numpy vector of the bucket's length, kept on the bucket, never handed out."""
+    scratch = bucket.cache.get("scratch")
+    if scratch is None or scratch.dtype != dtype:
+        scratch = bucket.cache["scratch"] = np.empty(bucket.numel, dtype=dtype)
+    return scratch
 
 
 def _finish(reduced: Tensor, result: torch.dtype, size: int, divide: bool) -> Tensor:

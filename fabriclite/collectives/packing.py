@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from fabriclite.collectives.buffers import (POOL_MIN_BYTES, SKELETON_AT, UNIT, Header, Message, Packed, Row, Slot,
+from fabriclite.collectives.buffers import (CAPACITY, POOL_MIN_BYTES, SKELETON_AT, UNIT, Header, Message, Packed, Row, Slot,
                                             Words, pool_of)
 from fabriclite.collectives.plans import MAX_SIZE, Bucket, GatherPlan, Layout, Plan, align
 from fabriclite.collectives.state import Context
@@ -36,6 +36,18 @@ def units(nbytes: int) -> int:
         raise ValueError(f"{nbytes} bytes from one rank in one call is more than a collective carries "
                          f"({MAX_SIZE * UNIT} bytes); split the data over several calls.")
     return n
+
+
+def row_units(words: Words, length: int, fixed: bool, inline: bool) -> Optional[int]:
+    """The low half of this rank's header for a row of ``length`` bytes: None when it fills a width-1 header;
+    0 when the row is ``fixed`` (the same length on every rank), rides inline and would fit a width-1 header,
+    so that the group goes back to that cheapest form (``header.agree`` sizes the next width from it); else
+    its length in UNIT-byte units."""
+    if inline and words.width == 1:
+        return None
+    if inline and fixed and length <= CAPACITY:
+        return 0
+    return units(length)
 
 
 def begin(ctx: Context) -> Words:
@@ -60,18 +72,20 @@ def begin(ctx: Context) -> Words:
 
 
 # ---------------------------------------------------------------------------------------------- reductions
-def pack_reduce(ctx: Context, plan: Plan, leaves: Sequence[Any], header: bool) -> Packed:
+def pack_reduce(ctx: Context, plan: Plan, leaves: Sequence[Any], header: bool,
+                stacked: Optional[Tensor] = None) -> Packed:
     """A reduction's leaves into the payload of the group's header row (``words``, when ``header``) when they
     fit, else one wire buffer per bucket (a mean over a power-of-two group divided while packing; a large
     single tensor left for the wire to copy into a reused buffer; ``inplace``: the caller's contiguous tensor
-    is its own wire buffer)."""
+    is its own wire buffer). ``stacked``: every leaf's value, from ``SpecCache.find`` (one bucket of 0-d
+    tensors), written with one copy instead of leaf by leaf."""
     words = begin(ctx) if header else None
     used = plan.layout.used
     inline = words is not None and used <= words.room
-    low = None if words is None or (inline and words.width == 1) else units(used)
+    low = None if words is None else row_units(words, used, True, inline)
     if inline:
         assert words is not None
-        write_inline(plan.buckets, leaves, words.payload, words.payload_np, ctx.device, plan.divisors)
+        write_inline(plan.buckets, leaves, words.payload, words.payload_np, ctx.device, plan.divisors, stacked)
         return Packed(words, True, [], low)
     out: List[Tuple[Tensor, bool, Optional[Slot], Optional[Tensor]]] = []
     for k, bucket in enumerate(plan.buckets):
@@ -81,10 +95,10 @@ def pack_reduce(ctx: Context, plan: Plan, leaves: Sequence[Any], header: bool) -
             split = divisor is not None and ctx.size > 1  # while the chunks before are reduced
             out.append((direct, split, None, direct if split else None))
         elif ctx.size == 1:  # one rank: the reduction of one row is a copy
-            out.append((pack(bucket, leaves, ctx.device, copy=True), False, None, None))
+            out.append((pack(bucket, leaves, ctx.device, copy=True, stacked=stacked), False, None, None))
         elif plan.inplace or not _large_single(bucket, leaves):
-            out.append((pack(bucket, leaves, ctx.device, copy=True, divisor=divisor), divisor is not None, None,
-                        None))
+            out.append((pack(bucket, leaves, ctx.device, copy=True, divisor=divisor, stacked=stacked),
+                        divisor is not None, None, None))
         else:  # a reused wire buffer (warm memory: no page faults); the wire copies the tensor into it
             shape = bucket.shapes[0]
             slot = pool_of(bucket, "wire", lambda b: (b.view(shape),)).acquire((bucket.numel,), bucket.wire,
@@ -99,12 +113,18 @@ def _large_single(bucket: Bucket, leaves: Sequence[Any]) -> bool:
 
 
 def pack(bucket: Bucket, leaves: Sequence[Any], device: torch.device, copy: bool,
-         divisor: Optional[int] = None) -> Tensor:
+         divisor: Optional[int] = None, stacked: Optional[Tensor] = None) -> Tensor:
     """The bucket's leaves (canonical order) as one flat ``bucket.wire`` tensor on ``device``, divided by
     ``divisor`` when given. ``copy=False`` may return a view of the caller's single tensor (never to be
-    written to)."""
-    items = leaves if bucket.take is None else bucket.take(leaves)
+    written to). ``stacked``: every leaf's value in the caller's order (a new tensor, ours to change), for a
+    bucket that holds every leaf."""
     wire, mode = bucket.wire, bucket.mode
+    if stacked is not None and bucket.whole:
+        buf = stacked.to(device=device, dtype=wire)
+        if bucket.perm is not None:
+            buf = buf.index_select(0, bucket.index[device][0])
+        return buf.div_(divisor) if divisor is not None else buf
+    items = leaves if bucket.take is None else bucket.take(leaves)
     if mode == "single":
         flat = items[0].reshape(-1)
         if divisor is not None:
@@ -125,12 +145,18 @@ def pack(bucket: Bucket, leaves: Sequence[Any], device: torch.device, copy: bool
 
 
 def write_inline(buckets: Sequence[Bucket], leaves: Sequence[Any], dest: Tensor, dest_np: Any,
-                 device: torch.device, divisors: Optional[Sequence[Optional[int]]] = None) -> None:
+                 device: torch.device, divisors: Optional[Sequence[Optional[int]]] = None,
+                 stacked: Optional[Tensor] = None) -> None:
     """Pack ``buckets`` at their offsets into ``dest`` (uint8; ``dest_np``: the same memory as a numpy
     array, or None): 0-d buckets go straight from Python values into the bytes (no tensor per call), each
-    divided by its ``divisors`` entry when given (a mean over a power-of-two group; exact)."""
+    divided by its ``divisors`` entry when given (a mean over a power-of-two group; exact); or, given
+    ``stacked`` (every leaf's value in the caller's order), a bucket holding every leaf is written from it
+    by one copy (permuted to the canonical order on the way)."""
     for k, bucket in enumerate(buckets):
         divisor = divisors[k] if divisors is not None else None
+        if stacked is not None and bucket.whole:
+            _write_stacked(bucket, stacked, dest, divisor)
+            continue
         region = _region(bucket, dest_np) if dest_np is not None and bucket.scalar else None
         if region is None:
             part = as_bytes(pack(bucket, leaves, device, copy=False, divisor=divisor))
@@ -148,6 +174,25 @@ def write_inline(buckets: Sequence[Bucket], leaves: Sequence[Any], dest: Tensor,
             region[bucket.inverse_np] = values
         if divisor is not None:
             region /= divisor
+
+
+def _write_stacked(bucket: Bucket, stacked: Tensor, dest: Tensor, divisor: Optional[int]) -> None:
+    """``stacked`` (the bucket's leaves in the caller's order) into the bucket's typed region of ``dest``."""
+    cached = bucket.cache.get("inline tensor")
+    if cached is None or cached[0] is not dest:
+        region = dest[bucket.offset:bucket.offset + bucket.nbytes].view(bucket.wire)
+        cached = bucket.cache["inline tensor"] = (dest, region)
+    region = cached[1]
+    if stacked.device != region.device:
+        stacked = stacked.to(region.device)
+    if bucket.perm is None:
+        region.copy_(stacked)
+    elif stacked.dtype == region.dtype:
+        torch.index_select(stacked, 0, bucket.index[region.device][0], out=region)
+    else:
+        region.copy_(stacked.index_select(0, bucket.index[region.device][0]))
+    if divisor is not None:
+        region.div_(divisor)
 
 
 def _region(bucket: Bucket, dest_np: Any) -> Any:
@@ -184,15 +229,16 @@ def _write(dest: Tensor, parts: Sequence[Tuple[int, Tensor]]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- gathers
-def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], header: bool) -> Row:
+def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], header: bool,
+             stacked: Optional[Tensor] = None) -> Row:
     """This rank's row (raises what packing or pickling raises, or ValueError for a row too long for one
     call): written straight into the payload of the group's header row (``words``, when ``header``) when it
-    fits there, else as parts."""
+    fits there, else as parts. ``stacked``: as for ``pack_reduce``."""
     words = begin(ctx) if header else None
     layout = plan.layout
     if words is not None and words.width == 1:  # 4 bytes: only a fixed row, the same length on every rank
         if layout.fixed_only and layout.used <= words.room:
-            write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device)
+            write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device, None, stacked)
             return Row(words, layout.used, None, True, [])
     extra = []
     if layout.nvar:
@@ -210,10 +256,11 @@ def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], header: bool
         length = offset + len(blob)
     low = units(length)
     if words is not None and words.width > 1 and length <= words.room:
-        write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device)
+        write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device, None, stacked)
         _write(words.payload, extra)
-        return Row(words, length, low, True, [])
-    parts = [(b.offset, as_bytes(pack(b, leaves, ctx.device, copy=False))) for b in layout.buckets] + extra
+        return Row(words, length, row_units(words, length, layout.fixed_only, True), True, [])
+    parts = [(b.offset, as_bytes(pack(b, leaves, ctx.device, copy=False, stacked=stacked)))
+             for b in layout.buckets] + extra
     buckets, slot = layout.buckets, None
     if ctx.size > 1 and layout.fixed_only and len(buckets) == 1 and buckets[0].mode == "single" \
             and low * UNIT == buckets[0].nbytes >= POOL_MIN_BYTES:  # gathered into a reused buffer

@@ -42,7 +42,11 @@ def reduced(ctx: Context, plan: Plan, leaves: Sequence[Any], wired: List[Tuple[A
     for k, bucket in enumerate(plan.buckets):
         flat, slot = wired[k]
         if isinstance(flat, np.ndarray):
-            pieces = _numpy_pieces(flat, bucket)
+            if slot is not None:  # reduced into the slot's buffer (in the caller's order)
+                slot.commit()
+                pieces = slot.views
+            else:
+                pieces = _numpy_pieces(flat, bucket)
         elif inplace and bucket.mode == "single" and flat is leaves[bucket.ids[0]]:
             pieces = (flat,)  # reduced where it is
         elif slot is not None and flat is slot.buffer:
@@ -179,10 +183,17 @@ def _split_stacked(region: Tensor, bucket: Bucket) -> Sequence[Tensor]:
     """A gathered bucket ``(size, numel)`` as one contiguous ``(size, *shape)`` tensor per leaf."""
     size = region.shape[0]
     if bucket.scalar:
+        if len(bucket.ids) >= POOL_MIN_LEAVES:  # one copy into a reused (leaves, size) buffer, its views handed out
+            slot = pool_of(bucket, "stacked").acquire((len(bucket.ids), size), region.dtype, region.device)
+            if bucket.perm is not None:
+                torch.index_select(region.t(), 0, bucket.index[region.device][1], out=slot.buffer)
+            else:
+                slot.buffer.copy_(region.t())
+            slot.commit()
+            return slot.views
         if bucket.perm is not None:
             region = region.index_select(1, bucket.index[region.device][1])
-        columns = region.t().contiguous()
-        return pool_of(bucket, "stacked").views(columns) if len(bucket.ids) >= POOL_MIN_LEAVES else columns.unbind()
+        return region.t().contiguous().unbind()
     if bucket.mode == "single":
         return (region.reshape(size, *bucket.shapes[0]).contiguous(),)
     out, start = [], 0
