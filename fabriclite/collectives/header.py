@@ -146,11 +146,11 @@ def wire_reduce(ctx: Context, plan: Plan, packed: Packed, finish: bool = True) -
                 slot = pool_of(bucket, "flat").acquire((bucket.numel,), bucket.result, ctx.device)
                 target = slot.numpy() if bucket.perm is None else _scratch(bucket, values.dtype)
             if len(values) == 2:  # one binary op costs less than a reduction
-                values = ufunc(values[0], values[1], out=target)
+                values = ufunc(values[0], values[1]) if target is None else ufunc(values[0], values[1], out=target)
             else:  # numpy sums int32 as int64 otherwise
                 values = ufunc.reduce(values, axis=0, dtype=values.dtype, out=target)
             if divide:
-                values = np.divide(values, size, out=target)
+                values = values / size if target is None else np.divide(values, size, out=target)
             if slot is not None and bucket.perm is not None:  # to the caller's order (whole buckets only)
                 values = np.take(values, bucket.inverse_np, out=slot.numpy())
             out.append((values, slot))

@@ -49,7 +49,7 @@ _dim = Tensor.dim
 _is_cpu = operator.attrgetter("is_cpu")
 _CPU = torch.device("cpu")
 #: from this many 0-d tensors of one dtype and device, ``SpecCache.find`` checks and reads them with one stack
-STACK_MIN = 8
+STACK_MIN = 2
 
 
 # ---------------------------------------------------------------------------------------------- flatten
@@ -74,7 +74,14 @@ def container_kind(cls: type) -> str:
 
 
 def _all_leaves(values: Sequence[Any]) -> bool:
-    return not any(container_kind(cls) for cls in set(map(type, values)))
+    kinds = _KINDS
+    for cls in set(map(type, values)):
+        kind = kinds.get(cls)
+        if kind is None:
+            kind = container_kind(cls)
+        if kind:
+            return False
+    return True
 
 
 def flatten(data: Any) -> Tuple[Tree, List[Any]]:
@@ -194,7 +201,7 @@ class Spec:
         self.digests: Dict[str, Tuple[int, int]] = {}
         self.lines: Dict[str, List[str]] = {}
         self.plans: Dict[Any, Any] = {}
-        #: every leaf a 0-d tensor of one dtype on one device (and at least STACK_MIN of them): (dtype, device),
+        #: every leaf a 0-d tensor of one dtype on one device (at least STACK_MIN of them): (dtype, device),
         #: and that dtype once per leaf (what ``find`` compares the leaves' dtypes with)
         self.uniform: Optional[Tuple[torch.dtype, torch.device]] = None
         self.dtypes: List[torch.dtype] = []
@@ -260,23 +267,25 @@ class SpecCache:
         """Stage 1 in one call: ``flatten(data)`` and ``find``. A plain dict whose structure (its keys, in
         order) last held uniform leaves is looked up by its keys alone, without walking it: ``torch.stack``
         then proves that every value is still a leaf (a container is not a tensor)."""
-        if type(data) is dict and self._uniform:
-            tree = (MAPPING, dict, tuple(data), None, None)  # what flatten gives for a dict of leaves
-            spec = self._uniform.get(tree)
+        if type(data) is dict:
+            leaves = list(data.values())
+            tree: Tree = (MAPPING, dict, tuple(data), None, None)  # what flatten gives for a dict of leaves
+            spec = self._uniform.get(tree) if self._uniform else None
             if spec is not None:
-                leaves = list(data.values())
                 stacked = stack_uniform(spec, leaves)
                 if stacked is not None:
                     if mode not in spec.digests:
                         spec.digest(mode)
                     return tree, leaves, spec, stacked
+            if _all_leaves(leaves):
+                return tree, leaves, self._known(tree, leaves, mode), None
         tree, leaves = flatten(data)
         spec, stacked = self.find(tree, leaves, mode)
         return tree, leaves, spec, stacked
 
     def find(self, tree: Tree, leaves: Sequence[Any], mode: str) -> Tuple[Spec, Optional[Tensor]]:
         """``(spec, stacked)``: the Spec of ``tree`` holding ``leaves`` (as ``get``), and, when the last Spec of
-        ``tree`` was uniform (at least STACK_MIN 0-d tensors of one dtype on one device) and ``leaves`` still are
+        ``tree`` was uniform (STACK_MIN or more 0-d tensors of one dtype on one device) and ``leaves`` still are
         (their dtypes compared in one pass, their shapes and device checked by ``torch.stack`` itself), the
         leaves' values stacked in the caller's order (a new tensor); else None."""
         try:
@@ -289,6 +298,10 @@ class SpecCache:
                 if mode not in spec.digests:
                     spec.digest(mode)
                 return spec, stacked
+        return self._known(tree, leaves, mode), None
+
+    def _known(self, tree: Tree, leaves: Sequence[Any], mode: str) -> Spec:
+        """``get``, remembering a uniform Spec as its structure's last one."""
         spec = self.get(tree, leaves, mode)
         if spec.uniform is not None:
             try:
@@ -298,7 +311,7 @@ class SpecCache:
             else:
                 if len(self._uniform) > self.capacity:
                     self._uniform.popitem(last=False)
-        return spec, None
+        return spec
 
     def get(self, tree: Tree, leaves: Sequence[Any], mode: str) -> Spec:
         """The Spec of ``tree`` holding ``leaves``, with ``lines[mode]`` and ``digests[mode]`` made."""

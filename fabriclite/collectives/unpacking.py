@@ -185,10 +185,13 @@ def _split_stacked(region: Tensor, bucket: Bucket) -> Sequence[Tensor]:
     if bucket.scalar:
         if len(bucket.ids) >= POOL_MIN_LEAVES:  # one copy into a reused (leaves, size) buffer, its views handed out
             slot = pool_of(bucket, "stacked").acquire((len(bucket.ids), size), region.dtype, region.device)
-            if bucket.perm is not None:
-                torch.index_select(region.t(), 0, bucket.index[region.device][1], out=slot.buffer)
-            else:
-                slot.buffer.copy_(region.t())
+            if bucket.perm is not None:  # columns to the caller's order (contiguous rows: fast), then transposed
+                scratch = bucket.cache.get("gather scratch")
+                if scratch is None or scratch.shape != region.shape or scratch.device != region.device:
+                    scratch = bucket.cache["gather scratch"] = torch.empty(region.shape, dtype=region.dtype,
+                                                                           device=region.device)
+                region = torch.index_select(region, 1, bucket.index[region.device][1], out=scratch)
+            slot.buffer.copy_(region.t())
             slot.commit()
             return slot.views
         if bucket.perm is not None:
