@@ -126,7 +126,8 @@ def wire_reduce(ctx: Context, plan: Plan, packed: Packed, finish: bool = True) -
     """A reduction's data reduced, per bucket ``(reduced buffer, slot)``; with ``finish`` (the result is wanted
     on this rank) a mean divided and in the result dtype. Inline (the rows rode in the header), every rank's row
     is reduced here, on every rank alike (numpy for the 0-d float and int buckets it reduces exactly as torch
-    would: a new array); else one primitive all_reduce per wire buffer (in place; a pooled large tensor copied
+    would: straight into the bucket's reused result buffer, its slot, from POOL_MIN_LEAVES leaves, else a new
+    array); else one primitive all_reduce per wire buffer (in place; a pooled large tensor copied
     in by the strategy's all_reduce_copy, the copy overlapped with the reduction; the caller's own tensor,
     ``inplace``, divided the same way)."""
     out: List[Tuple[Any, Optional[Slot]]] = []
