@@ -235,7 +235,7 @@ def worker(args: argparse.Namespace) -> None:
     profiling = os.environ.get("FABRICLITE_BENCH_PROFILE") == "1"
     for op in ("all_reduce", "all_gather"):
         for label, make, numel in _cases(device):
-            if args.only and args.only not in f"{op} {label}":
+            if args.only and not any(part in f"{op} {label}" for part in args.only.split(",")):
                 continue
             key = f"{op}|{label}"
             slow_max = BIG if numel == BIG else args.baselines_up_to
@@ -300,7 +300,8 @@ def main() -> None:
                         help="the results file (benchmarks/results/collectives.md; _nccl with nccl)")
     parser.add_argument("--plot", default=None, help="write the plot (PNG) here")
     parser.add_argument("--reduce-op", default="mean", help="all_reduce's op for fabriclite and Lightning Fabric")
-    parser.add_argument("--only", default=None, help="only the cases whose 'op label' contains this ('all_reduce 1 x')")
+    parser.add_argument("--only", default=None, help="only the cases whose 'op label' contains this, or one of these comma-separated "
+                        "parts ('all_reduce 1 x 0-d,all_gather 1000 x')")
     parser.add_argument("--no-baselines", action="store_true", help="leave Lightning Fabric and the loop out")
     parser.add_argument("--baselines-up-to", type=int, default=1000,
                         help="leaves up to which Lightning Fabric and the loop run (16M: always)")

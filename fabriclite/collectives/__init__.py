@@ -104,10 +104,10 @@ def all_gather(strategy: Strategy, data: Any, group: Any = None, sync_grads: boo
     call = Call(ALL_GATHER, flags=FLAG_CAT if cat else 0)
     with torch.no_grad():
         try:
-            tree, leaves = flatten(data)  # 1 flatten
-            spec = ctx.state.specs.get(tree, leaves, mode)
+            tree, leaves, spec, stacked = ctx.state.specs.take_apart(data, mode)  # 1 flatten, its spec
             plan = plan_gather(ctx, spec, mode, call)  # 2 plan (cached)
-            row = pack_row(ctx, plan, leaves, ctx.size > 1 and (check or not plan.layout.fixed_only))  # 3 pack
+            row = pack_row(ctx, plan, leaves, ctx.size > 1 and (check or not plan.layout.fixed_only),
+                           stacked)  # 3 pack
         except Exception as err:  # on one rank only, maybe: every rank must hear of it
             if ctx.size == 1 or not check:
                 raise
@@ -205,10 +205,9 @@ def _reduce(ctx: Context, data: Any, reduce_op: Any, check: bool, kind: int, dst
     try:
         checked = check and ctx.size > 1
         try:
-            tree, leaves = flatten(data)  # 1 flatten
-            spec = ctx.state.specs.get(tree, leaves, "reduce")
+            tree, leaves, spec, stacked = ctx.state.specs.take_apart(data, "reduce")  # 1 flatten, its spec
             plan = plan_reduce(ctx, spec, reduce_op, kind, dst, inplace)  # 2 plan (cached)
-            packed = pack_reduce(ctx, plan, leaves, checked)  # 3 pack
+            packed = pack_reduce(ctx, plan, leaves, checked, stacked)  # 3 pack
         except Exception as err:  # on one rank only, maybe: every rank must hear of it
             if not checked:
                 raise

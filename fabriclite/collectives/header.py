@@ -23,30 +23,20 @@ same ``CollectiveMismatchError``, and the group stays usable. Two different call
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, NoReturn, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, NoReturn, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from fabriclite.collectives.buffers import (HISTORY, POOL_MIN_LEAVES, UNIT, Message, Packed, Row, Slot, Words,
+                                            pool_of)
 from fabriclite.collectives.ops import BITWISE_OPS, OP_NAMES
 from fabriclite.collectives.plans import (ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, KIND_NAMES, REDUCE,
                                           Bucket, Call, GatherPlan, Plan)
 from fabriclite.collectives.state import Context
 
-if TYPE_CHECKING:  # pragma: no cover - packing and unpacking import this module
-    from fabriclite.collectives.packing import Message, Packed, Row, Words
-    from fabriclite.collectives.unpacking import Slot
-
 TAG_NONE, TAG_ERROR = 0, 1
-#: inline payload bytes per rank at width 1 (the low half of its word)
-CAPACITY = 4
-#: sizes travel in units of UNIT bytes, so 32 bits (plans.MAX_SIZE) cover 64 GiB
-UNIT = 16
-#: a group's header row widths: 1 word (the all_reduce form) up to MAX_WIDTH words per rank
-MAX_WIDTH = 1024
-#: the width follows the largest payload of the group's last HISTORY calls
-HISTORY = 8
 _MAX_LISTED = 8
 
 
@@ -56,7 +46,7 @@ class CollectiveMismatchError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- agree
-def agree(ctx: Context, words: "Words", tag: int, low: Optional[int], call: Call, lines: Optional[List[str]] = None,
+def agree(ctx: Context, words: Words, tag: int, low: Optional[int], call: Call, lines: Optional[List[str]] = None,
           hint: str = "") -> List[int]:
     """Send this rank's header (``tag`` over ``low``: its row size in UNIT-byte units; or, at width 1 with
     ``low`` None, over the 4-byte payload already written) and return every rank's low half when every rank
@@ -82,7 +72,7 @@ def agree(ctx: Context, words: "Words", tag: int, low: Optional[int], call: Call
     return lows
 
 
-def fail(ctx: Context, words: "Words", call: Call, error: BaseException) -> NoReturn:
+def fail(ctx: Context, words: Words, call: Call, error: BaseException) -> NoReturn:
     """Report this rank's local ``error`` through the header exchange (``words``: this group's header, from
     packing.begin), so that every rank raises the same CollectiveMismatchError (here chained to ``error``)
     instead of the others waiting for this one."""
@@ -93,7 +83,7 @@ def fail(ctx: Context, words: "Words", call: Call, error: BaseException) -> NoRe
         raise mismatch from error
 
 
-def _exchange(ctx: Context, words: "Words", tag: int, low: Optional[int]) -> List[int]:
+def _exchange(ctx: Context, words: Words, tag: int, low: Optional[int]) -> List[int]:
     """The header collective; every rank's halves, flat: ``[low_0, tag_0, low_1, tag_1, ...]``."""
     words.sized = low is not None
     j = 2 * (words.width - 1)
@@ -131,15 +121,16 @@ def _signed(value: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- wire
-def wire_reduce(ctx: Context, plan: Plan, packed: "Packed", finish: bool = True) -> List[Tuple[Any,
-                                                                                                   Optional["Slot"]]]:
+def wire_reduce(ctx: Context, plan: Plan, packed: Packed, finish: bool = True) -> List[Tuple[Any,
+                                                                                                   Optional[Slot]]]:
     """A reduction's data reduced, per bucket ``(reduced buffer, slot)``; with ``finish`` (the result is wanted
     on this rank) a mean divided and in the result dtype. Inline (the rows rode in the header), every rank's row
     is reduced here, on every rank alike (numpy for the 0-d float and int buckets it reduces exactly as torch
-    would: a new array); else one primitive all_reduce per wire buffer (in place; a pooled large tensor copied
+    would: straight into the bucket's reused result buffer, its slot, from POOL_MIN_LEAVES leaves, else a new
+    array); else one primitive all_reduce per wire buffer (in place; a pooled large tensor copied
     in by the strategy's all_reduce_copy, the copy overlapped with the reduction; the caller's own tensor,
     ``inplace``, divided the same way)."""
-    out: List[Tuple[Any, Optional["Slot"]]] = []
+    out: List[Tuple[Any, Optional[Slot]]] = []
     size, mean = ctx.size, plan.op == "mean"
     words = packed.words
     if packed.inline:
@@ -151,12 +142,19 @@ def wire_reduce(ctx: Context, plan: Plan, packed: "Packed", finish: bool = True)
                 buf = _reduce_rows(_inline_rows(words.rows, bucket), plan.op)
                 out.append((_finish(buf, bucket.result, size, divide) if finish else buf, None))
                 continue
-            ufunc = plan.reduce_np
+            ufunc, slot, target = plan.reduce_np, None, None
+            if finish and bucket.scalar and len(bucket.ids) >= POOL_MIN_LEAVES:  # into a reused result buffer
+                slot = pool_of(bucket, "flat").acquire((bucket.numel,), bucket.result, ctx.device)
+                target = slot.numpy() if bucket.perm is None else _scratch(bucket, values.dtype)
             if len(values) == 2:  # one binary op costs less than a reduction
-                values = ufunc(values[0], values[1])
+                values = ufunc(values[0], values[1]) if target is None else ufunc(values[0], values[1], out=target)
             else:  # numpy sums int32 as int64 otherwise
-                values = ufunc.reduce(values, axis=0, dtype=values.dtype)
-            out.append((values / size if divide else values, None))
+                values = ufunc.reduce(values, axis=0, dtype=values.dtype, out=target)
+            if divide:
+                values = values / size if target is None else np.divide(values, size, out=target)
+            if slot is not None and bucket.perm is not None:  # to the caller's order (whole buckets only)
+                values = np.take(values, bucket.inverse_np, out=slot.numpy())
+            out.append((values, slot))
         return out
     for (buf, divided, slot, source), bucket in zip(packed.buffers, plan.buckets):
         if size > 1:
@@ -171,6 +169,14 @@ def wire_reduce(ctx: Context, plan: Plan, packed: "Packed", finish: bool = True)
     return out
 
 
+def _scratch(bucket: Bucket, dtype: Any) -> Any:
+    """A numpy vector of the bucket's length, kept on the bucket, never handed out."""
+    scratch = bucket.cache.get("scratch")
+    if scratch is None or scratch.dtype != dtype:
+        scratch = bucket.cache["scratch"] = np.empty(bucket.numel, dtype=dtype)
+    return scratch
+
+
 def _finish(reduced: Tensor, result: torch.dtype, size: int, divide: bool) -> Tensor:
     """``reduced`` as the caller sees it: divided by ``size`` (a mean not divided before the sum), cast to
     the ``result`` dtype. May reuse ``reduced``."""
@@ -183,7 +189,7 @@ def _finish(reduced: Tensor, result: torch.dtype, size: int, divide: bool) -> Te
     return reduced
 
 
-def _inline_numpy(bucket: Bucket, words: "Words", np_dtype: Any) -> Optional[Any]:
+def _inline_numpy(bucket: Bucket, words: Words, np_dtype: Any) -> Optional[Any]:
     """The ``(size, numel)`` numpy view of the bucket in every rank's inline row, when it is reduced with numpy
     (``np_dtype``; a CPU header the strategy exchanged in place), made once per bucket and header; else None."""
     if np_dtype is None or words.numpy is None or words.result is not words.gathered:
@@ -229,10 +235,10 @@ class Gathered(NamedTuple):
 
     rows: Optional[Tensor]
     regions: List[Tensor]
-    slot: Optional["Slot"] = None
+    slot: Optional[Slot] = None
 
 
-def wire_rows(ctx: Context, plan: GatherPlan, row: "Row", lows: Optional[List[int]]) -> Gathered:
+def wire_rows(ctx: Context, plan: GatherPlan, row: Row, lows: Optional[List[int]]) -> Gathered:
     """An all_gather's rows: the header's rows when every row rode inline, else one primitive all_gather of
     rows padded to the longest (``lows``: every rank's length, from ``agree``; without a header, every row is
     as long as this one), one large tensor into a reused output buffer (warm memory, no page faults)."""
@@ -258,7 +264,7 @@ def wire_rows(ctx: Context, plan: GatherPlan, row: "Row", lows: Optional[List[in
     return Gathered(rows, [_bucket_rows(rows, b) for b in buckets])
 
 
-def wire_message(ctx: Context, msg: "Message", src: int, src_index: int,
+def wire_message(ctx: Context, msg: Message, src: int, src_index: int,
                  lows: Optional[List[int]]) -> Optional[Tuple[Optional[bytes], Tensor]]:
     """A broadcast's message from ``src``: on ``src`` None (it sent it); elsewhere ``(skeleton, data)``:
     ``src``'s row of the header when it rode there, else one primitive broadcast (skeleton None: ``data`` is

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections import deque
-from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from fabriclite.collectives.header import CAPACITY, HISTORY, MAX_WIDTH, UNIT
+from fabriclite.collectives.buffers import (CAPACITY, POOL_MIN_BYTES, SKELETON_AT, UNIT, Header, Message, Packed, Row, Slot,
+                                            Words, pool_of)
 from fabriclite.collectives.plans import MAX_SIZE, Bucket, GatherPlan, Layout, Plan, align
 from fabriclite.collectives.state import Context
-from fabriclite.collectives.unpacking import POOL_MIN_BYTES, SKELETON_AT, Slot, pool_of
 
 _item = Tensor.item
 #: wire dtypes numpy can write directly
@@ -39,55 +38,16 @@ def units(nbytes: int) -> int:
     return n
 
 
-# ---------------------------------------------------------------------------------------------- header rows
-def max_width(size: int) -> int:
-    """The widest header row for a group of ``size``: 8 KiB for small groups, shrinking so the exchanged
-    headers stay near 32 KiB; a power of two, at least 2."""
-    width = 2
-    while width * 2 <= min(MAX_WIDTH, 4096 // max(size, 1)):
-        width *= 2
-    return width
-
-
-class Words:
-    """One header buffer of a group on this rank, reused across calls: ``width`` int64 words per rank,
-    this rank's inline ``payload`` region (``capacity`` bytes, uint8; ``payload_np``: the same memory as a
-    numpy array on CPU, else None); a row of at most ``room`` bytes rides inline. ``gathered`` holds every
-    rank's words after the exchange (width 1: an int64 SUM all_reduce with this rank's word at its index and
-    zeros elsewhere; wider rows: an all_gather), ``rows`` every rank's payload. Nothing handed to a caller
-    is a view of it."""
-
-    def __init__(self, owner: "Header", width: int) -> None:
-        size, index, device = owner.size, owner.index, owner.device
-        self.owner, self.width, self.size = owner, width, size
-        self.capacity = CAPACITY if width == 1 else 8 * (width - 1)
-        self.room = CAPACITY if width == 1 else self.capacity // UNIT * UNIT
-        self.gathered = torch.zeros((size, width), dtype=torch.int64, device=device)
-        self.mine = self.gathered[index] if width == 1 else torch.zeros(width, dtype=torch.int64, device=device)
-        self.payload = self.mine.view(torch.uint8)[:self.capacity]
-        self.own_rows = self.rows = self.gathered.view(torch.uint8)[:, :self.capacity]
-        self.result = self.gathered
-        self.sized = False
-        cpu = self.gathered.device.type == "cpu"
-        self.numpy = self.gathered.numpy() if cpu else None
-        mine_np = self.mine.numpy() if cpu else None
-        self.halves = mine_np.view("uint32") if mine_np is not None else None
-        #: every rank's last word as (low, tag) uint32 pairs, read straight from the exchanged buffer
-        self.last_halves = self.numpy[:, -1:].view("uint32") if self.numpy is not None else None
-        self.payload_np = mine_np.view("uint8")[:self.capacity] if mine_np is not None else None
-
-
-class Header:
-    """The header of one group on this rank: its buffers by width and the recent payload sizes that set the
-    next call's width (``header.agree`` records them). Every rank of the group sees the same calls agree, so
-    every rank computes the same width for the next call: the exchange always matches up."""
-
-    def __init__(self, size: int, index: int, device: torch.device) -> None:
-        self.size, self.index, self.device = size, index, device
-        self.limit = max_width(size)
-        self.needs: Deque[int] = deque([1], maxlen=HISTORY)
-        self.width = 1
-        self.buffers: Dict[int, Words] = {}
+def row_units(words: Words, length: int, fixed: bool, inline: bool) -> Optional[int]:
+    """The low half of this rank's header for a row of ``length`` bytes: None when it fills a width-1 header;
+    0 when the row is ``fixed`` (the same length on every rank), rides inline and would fit a width-1 header,
+    so that the group goes back to that cheapest form (``header.agree`` sizes the next width from it); else
+    its length in UNIT-byte units."""
+    if inline and words.width == 1:
+        return None
+    if inline and fixed and length <= CAPACITY:
+        return 0
+    return units(length)
 
 
 def begin(ctx: Context) -> Words:
@@ -112,32 +72,20 @@ def begin(ctx: Context) -> Words:
 
 
 # ---------------------------------------------------------------------------------------------- reductions
-class Packed(NamedTuple):
-    """A reduction's leaves on the wire: the header row ``words`` (None: no header exchange); ``inline``: the
-    data is in its payload, nothing else to send; else per bucket ``(wire buffer, divided, slot, source)``:
-    ``divided``, a mean was (or the wire divides it) before the sum; ``slot``, the reused buffer (pool slot) a
-    large single tensor ``source`` is copied into by the wire while it is reduced; or, ``inplace``, ``source``
-    is the caller's tensor, divided in place by the wire. ``low``: the header's low half (this row's size in
-    units), or None when the payload fills it."""
-
-    words: Optional[Words]
-    inline: bool
-    buffers: List[Tuple[Tensor, bool, Optional[Slot], Optional[Tensor]]]
-    low: Optional[int]
-
-
-def pack_reduce(ctx: Context, plan: Plan, leaves: Sequence[Any], header: bool) -> Packed:
+def pack_reduce(ctx: Context, plan: Plan, leaves: Sequence[Any], header: bool,
+                stacked: Optional[Tensor] = None) -> Packed:
     """A reduction's leaves into the payload of the group's header row (``words``, when ``header``) when they
     fit, else one wire buffer per bucket (a mean over a power-of-two group divided while packing; a large
     single tensor left for the wire to copy into a reused buffer; ``inplace``: the caller's contiguous tensor
-    is its own wire buffer)."""
+    is its own wire buffer). ``stacked``: every leaf's value, from ``SpecCache.find`` (one bucket of 0-d
+    tensors), written with one copy instead of leaf by leaf."""
     words = begin(ctx) if header else None
     used = plan.layout.used
     inline = words is not None and used <= words.room
-    low = None if words is None or (inline and words.width == 1) else units(used)
+    low = None if words is None else row_units(words, used, True, inline)
     if inline:
         assert words is not None
-        write_inline(plan.buckets, leaves, words.payload, words.payload_np, ctx.device, plan.divisors)
+        write_inline(plan.buckets, leaves, words.payload, words.payload_np, ctx.device, plan.divisors, stacked)
         return Packed(words, True, [], low)
     out: List[Tuple[Tensor, bool, Optional[Slot], Optional[Tensor]]] = []
     for k, bucket in enumerate(plan.buckets):
@@ -147,10 +95,10 @@ def pack_reduce(ctx: Context, plan: Plan, leaves: Sequence[Any], header: bool) -
             split = divisor is not None and ctx.size > 1  # while the chunks before are reduced
             out.append((direct, split, None, direct if split else None))
         elif ctx.size == 1:  # one rank: the reduction of one row is a copy
-            out.append((pack(bucket, leaves, ctx.device, copy=True), False, None, None))
+            out.append((pack(bucket, leaves, ctx.device, copy=True, stacked=stacked), False, None, None))
         elif plan.inplace or not _large_single(bucket, leaves):
-            out.append((pack(bucket, leaves, ctx.device, copy=True, divisor=divisor), divisor is not None, None,
-                        None))
+            out.append((pack(bucket, leaves, ctx.device, copy=True, divisor=divisor, stacked=stacked),
+                        divisor is not None, None, None))
         else:  # a reused wire buffer (warm memory: no page faults); the wire copies the tensor into it
             shape = bucket.shapes[0]
             slot = pool_of(bucket, "wire", lambda b: (b.view(shape),)).acquire((bucket.numel,), bucket.wire,
@@ -165,12 +113,18 @@ def _large_single(bucket: Bucket, leaves: Sequence[Any]) -> bool:
 
 
 def pack(bucket: Bucket, leaves: Sequence[Any], device: torch.device, copy: bool,
-         divisor: Optional[int] = None) -> Tensor:
+         divisor: Optional[int] = None, stacked: Optional[Tensor] = None) -> Tensor:
     """The bucket's leaves (canonical order) as one flat ``bucket.wire`` tensor on ``device``, divided by
     ``divisor`` when given. ``copy=False`` may return a view of the caller's single tensor (never to be
-    written to)."""
-    items = leaves if bucket.take is None else bucket.take(leaves)
+    written to). ``stacked``: every leaf's value in the caller's order (a new tensor, ours to change), for a
+    bucket that holds every leaf."""
     wire, mode = bucket.wire, bucket.mode
+    if stacked is not None and bucket.whole:
+        buf = stacked.to(device=device, dtype=wire)
+        if bucket.perm is not None:
+            buf = buf.index_select(0, bucket.index[device][0])
+        return buf.div_(divisor) if divisor is not None else buf
+    items = leaves if bucket.take is None else bucket.take(leaves)
     if mode == "single":
         flat = items[0].reshape(-1)
         if divisor is not None:
@@ -191,12 +145,18 @@ def pack(bucket: Bucket, leaves: Sequence[Any], device: torch.device, copy: bool
 
 
 def write_inline(buckets: Sequence[Bucket], leaves: Sequence[Any], dest: Tensor, dest_np: Any,
-                 device: torch.device, divisors: Optional[Sequence[Optional[int]]] = None) -> None:
+                 device: torch.device, divisors: Optional[Sequence[Optional[int]]] = None,
+                 stacked: Optional[Tensor] = None) -> None:
     """Pack ``buckets`` at their offsets into ``dest`` (uint8; ``dest_np``: the same memory as a numpy
     array, or None): 0-d buckets go straight from Python values into the bytes (no tensor per call), each
-    divided by its ``divisors`` entry when given (a mean over a power-of-two group; exact)."""
+    divided by its ``divisors`` entry when given (a mean over a power-of-two group; exact); or, given
+    ``stacked`` (every leaf's value in the caller's order), a bucket holding every leaf is written from it
+    by one copy (permuted to the canonical order on the way)."""
     for k, bucket in enumerate(buckets):
         divisor = divisors[k] if divisors is not None else None
+        if stacked is not None and bucket.whole:
+            _write_stacked(bucket, stacked, dest, divisor)
+            continue
         region = _region(bucket, dest_np) if dest_np is not None and bucket.scalar else None
         if region is None:
             part = as_bytes(pack(bucket, leaves, device, copy=False, divisor=divisor))
@@ -214,6 +174,25 @@ def write_inline(buckets: Sequence[Bucket], leaves: Sequence[Any], dest: Tensor,
             region[bucket.inverse_np] = values
         if divisor is not None:
             region /= divisor
+
+
+def _write_stacked(bucket: Bucket, stacked: Tensor, dest: Tensor, divisor: Optional[int]) -> None:
+    """``stacked`` (the bucket's leaves in the caller's order) into the bucket's typed region of ``dest``."""
+    cached = bucket.cache.get("inline tensor")
+    if cached is None or cached[0] is not dest:
+        region = dest[bucket.offset:bucket.offset + bucket.nbytes].view(bucket.wire)
+        cached = bucket.cache["inline tensor"] = (dest, region)
+    region = cached[1]
+    if stacked.device != region.device:
+        stacked = stacked.to(region.device)
+    if bucket.perm is None:
+        region.copy_(stacked)
+    elif stacked.dtype == region.dtype:
+        torch.index_select(stacked, 0, bucket.index[region.device][0], out=region)
+    else:
+        region.copy_(stacked.index_select(0, bucket.index[region.device][0]))
+    if divisor is not None:
+        region.div_(divisor)
 
 
 def _region(bucket: Bucket, dest_np: Any) -> Any:
@@ -250,26 +229,16 @@ def _write(dest: Tensor, parts: Sequence[Tuple[int, Tensor]]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- gathers
-class Row:
-    """This rank's all_gather row: the header row ``words`` (None: no header exchange), its ``length``,
-    ``low`` (its length in UNIT-byte units; None when it fills a width-1 header), and either ``inline`` (written
-    into the header's payload) or ``parts`` ((byte offset, uint8 tensor)) the wire assembles; ``slot``: the
-    reused output buffer one large tensor is gathered into."""
-
-    def __init__(self, words: Optional[Words], length: int, low: Optional[int], inline: bool,
-                 parts: List[Tuple[int, Tensor]], slot: Optional[Slot] = None) -> None:
-        self.words, self.length, self.low, self.inline, self.parts, self.slot = words, length, low, inline, parts, slot
-
-
-def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], header: bool) -> Row:
+def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], header: bool,
+             stacked: Optional[Tensor] = None) -> Row:
     """This rank's row (raises what packing or pickling raises, or ValueError for a row too long for one
     call): written straight into the payload of the group's header row (``words``, when ``header``) when it
-    fits there, else as parts."""
+    fits there, else as parts. ``stacked``: as for ``pack_reduce``."""
     words = begin(ctx) if header else None
     layout = plan.layout
     if words is not None and words.width == 1:  # 4 bytes: only a fixed row, the same length on every rank
         if layout.fixed_only and layout.used <= words.room:
-            write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device)
+            write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device, None, stacked)
             return Row(words, layout.used, None, True, [])
     extra = []
     if layout.nvar:
@@ -287,10 +256,11 @@ def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], header: bool
         length = offset + len(blob)
     low = units(length)
     if words is not None and words.width > 1 and length <= words.room:
-        write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device)
+        write_inline(layout.buckets, leaves, words.payload, words.payload_np, ctx.device, None, stacked)
         _write(words.payload, extra)
-        return Row(words, length, low, True, [])
-    parts = [(b.offset, as_bytes(pack(b, leaves, ctx.device, copy=False))) for b in layout.buckets] + extra
+        return Row(words, length, row_units(words, length, layout.fixed_only, True), True, [])
+    parts = [(b.offset, as_bytes(pack(b, leaves, ctx.device, copy=False, stacked=stacked)))
+             for b in layout.buckets] + extra
     buckets, slot = layout.buckets, None
     if ctx.size > 1 and layout.fixed_only and len(buckets) == 1 and buckets[0].mode == "single" \
             and low * UNIT == buckets[0].nbytes >= POOL_MIN_BYTES:  # gathered into a reused buffer
@@ -320,22 +290,6 @@ class _Pickler(pickle.Pickler):
             self.tensors.append(obj)
             return (len(self.tensors) - 1, str(obj.dtype).replace("torch.", ""), tuple(obj.shape))
         return None
-
-
-class Message(NamedTuple):
-    """A broadcast's object as ``skeleton`` (its pickle, tensors left out) and the tensors' bytes ``parts``
-    ((offset, uint8 tensor), ``nbytes`` in all); ``message``: the whole as parts (skeleton length, skeleton,
-    tensor bytes), ``length`` bytes, ``low`` units; the header row ``words`` (None: no header exchange);
-    ``inline``: the message is written into its payload."""
-
-    words: Optional[Words]
-    skeleton: bytes
-    parts: List[Tuple[int, Tensor]]
-    nbytes: int
-    message: List[Tuple[int, Tensor]]
-    length: int
-    low: int
-    inline: bool
 
 
 def pack_message(ctx: Context, obj: Any, is_src: bool, header: bool) -> Message:

@@ -10,6 +10,11 @@ dataclass instances; everything else (tensors, numbers, strings, arbitrary objec
 nested tuple that compares equal for two collections of the same shape, container types and keys, so it can key
 a cache; the spec cache keys by it and by a signature of the leaves (type, dtype, shape, device of every leaf;
 one entry when they are all alike), so anything that changes a digest or a bucket changes the key.
+
+The common case, many 0-d tensors of one dtype on one device (a dict of metrics), costs one pass: ``SpecCache.find``
+looks the structure up alone, compares the leaves' dtypes with the cached spec's (the one pass) and reads every
+value with one ``torch.stack``, which also checks that every leaf is a tensor of the same shape on the same device;
+the stacked values (shape ``(n,)``: every leaf 0-d) go on to packing. Anything else falls back to the full key.
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ _device = operator.attrgetter("device")
 _dim = Tensor.dim
 _is_cpu = operator.attrgetter("is_cpu")
 _CPU = torch.device("cpu")
+#: from this many 0-d tensors of one dtype and device, ``SpecCache.find`` checks and reads them with one stack
+STACK_MIN = 2
 
 
 # ---------------------------------------------------------------------------------------------- flatten
@@ -67,7 +74,14 @@ def container_kind(cls: type) -> str:
 
 
 def _all_leaves(values: Sequence[Any]) -> bool:
-    return not any(container_kind(cls) for cls in set(map(type, values)))
+    kinds = _KINDS
+    for cls in set(map(type, values)):
+        kind = kinds.get(cls)
+        if kind is None:
+            kind = container_kind(cls)
+        if kind:
+            return False
+    return True
 
 
 def flatten(data: Any) -> Tuple[Tree, List[Any]]:
@@ -187,6 +201,16 @@ class Spec:
         self.digests: Dict[str, Tuple[int, int]] = {}
         self.lines: Dict[str, List[str]] = {}
         self.plans: Dict[Any, Any] = {}
+        #: every leaf a 0-d tensor of one dtype on one device (at least STACK_MIN of them): (dtype, device),
+        #: and that dtype once per leaf (what ``find`` compares the leaves' dtypes with)
+        self.uniform: Optional[Tuple[torch.dtype, torch.device]] = None
+        self.dtypes: List[torch.dtype] = []
+        first = self.leaves[0] if self.leaves else None
+        if (len(self.leaves) >= STACK_MIN and first is not None and first.kind == TENSOR and first.shape == ()
+                and all(leaf == first for leaf in self.leaves)):
+            assert first.dtype is not None and first.device is not None
+            self.uniform = (first.dtype, first.device)
+            self.dtypes = [first.dtype] * len(self.leaves)
 
     def describe(self, mode: str) -> List[str]:
         """One line per leaf, canonical order: ``path: description`` where the description holds what must
@@ -231,11 +255,63 @@ def _describe(leaf: Leaf, mode: str) -> str:
 
 
 class SpecCache:
-    """A bounded LRU of Specs keyed by (structure, leaf signature)."""
+    """A bounded LRU of Specs keyed by (structure, leaf signature), and the last uniform Spec of each structure
+    (``find``)."""
 
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
         self._specs: "OrderedDict[Any, Spec]" = OrderedDict()
+        self._uniform: "OrderedDict[Any, Spec]" = OrderedDict()
+
+    def take_apart(self, data: Any, mode: str) -> Tuple[Tree, List[Any], Spec, Optional[Tensor]]:
+        """Stage 1 in one call: ``flatten(data)`` and ``find``. A plain dict whose structure (its keys, in
+        order) last held uniform leaves is looked up by its keys alone, without walking it: ``torch.stack``
+        then proves that every value is still a leaf (a container is not a tensor)."""
+        if type(data) is dict:
+            leaves = list(data.values())
+            tree: Tree = (MAPPING, dict, tuple(data), None, None)  # what flatten gives for a dict of leaves
+            spec = self._uniform.get(tree) if self._uniform else None
+            if spec is not None:
+                stacked = stack_uniform(spec, leaves)
+                if stacked is not None:
+                    if mode not in spec.digests:
+                        spec.digest(mode)
+                    return tree, leaves, spec, stacked
+            if _all_leaves(leaves):
+                return tree, leaves, self._known(tree, leaves, mode), None
+        tree, leaves = flatten(data)
+        spec, stacked = self.find(tree, leaves, mode)
+        return tree, leaves, spec, stacked
+
+    def find(self, tree: Tree, leaves: Sequence[Any], mode: str) -> Tuple[Spec, Optional[Tensor]]:
+        """``(spec, stacked)``: the Spec of ``tree`` holding ``leaves`` (as ``get``), and, when the last Spec of
+        ``tree`` was uniform (STACK_MIN or more 0-d tensors of one dtype on one device) and ``leaves`` still are
+        (their dtypes compared in one pass, their shapes and device checked by ``torch.stack`` itself), the
+        leaves' values stacked in the caller's order (a new tensor); else None."""
+        try:
+            spec = self._uniform.get(tree)
+        except TypeError:  # an unhashable structure (a dict key or default_factory): never cached
+            spec = None
+        if spec is not None:
+            stacked = stack_uniform(spec, leaves)
+            if stacked is not None:
+                if mode not in spec.digests:
+                    spec.digest(mode)
+                return spec, stacked
+        return self._known(tree, leaves, mode), None
+
+    def _known(self, tree: Tree, leaves: Sequence[Any], mode: str) -> Spec:
+        """``get``, remembering a uniform Spec as its structure's last one."""
+        spec = self.get(tree, leaves, mode)
+        if spec.uniform is not None:
+            try:
+                self._uniform[tree] = spec
+            except TypeError:
+                pass
+            else:
+                if len(self._uniform) > self.capacity:
+                    self._uniform.popitem(last=False)
+        return spec
 
     def get(self, tree: Tree, leaves: Sequence[Any], mode: str) -> Spec:
         """The Spec of ``tree`` holding ``leaves``, with ``lines[mode]`` and ``digests[mode]`` made."""
@@ -258,4 +334,26 @@ class SpecCache:
 
     def clear(self) -> None:
         self._specs.clear()
+        self._uniform.clear()
+
+
+def stack_uniform(spec: Spec, leaves: Sequence[Any]) -> Optional[Tensor]:
+    """The leaves' values as one ``(n,)`` tensor when they match the uniform ``spec`` (every leaf a 0-d tensor of
+    its dtype on its device), else None. One pass compares the dtypes (a leaf without one, or with another, fails
+    it); ``torch.stack`` reads the values and checks the rest: a non-tensor leaf raises, a shape that differs from
+    the others raises, a device that differs from the others raises, and the result's shape and device tell
+    whether the common shape is 0-d and the common device the spec's."""
+    uniform = spec.uniform
+    if uniform is None or len(leaves) != len(spec.dtypes):
+        return None
+    try:
+        if list(map(_dtype, leaves)) != spec.dtypes:
+            return None
+        stacked = torch.stack(leaves)  # type: ignore[arg-type]
+    except (AttributeError, TypeError, RuntimeError, ValueError):
+        return None
+    if (stacked.dim() != 1 or stacked.dtype != uniform[0] or stacked.device != uniform[1]
+            or stacked.layout != torch.strided):
+        return None
+    return stacked
 

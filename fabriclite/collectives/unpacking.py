@@ -14,109 +14,21 @@ from __future__ import annotations
 import copy
 import io
 import math
-import operator
 import pickle
-import sys
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from fabriclite.collectives.autograd import attach_gather_grads
+from fabriclite.collectives.buffers import DETACH_BYTES, POOL_MIN_LEAVES, SKELETON_AT, Slot, pool_of
 from fabriclite.collectives.header import Gathered
 from fabriclite.collectives.plans import Bucket, GatherPlan, Layout, Plan, align
 from fabriclite.collectives.state import Context
 from fabriclite.collectives.structure import DATACLASS, LEAF, MAPPING, NAMEDTUPLE, TENSOR, Spec, Tree
 
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
-_requires_grad = operator.attrgetter("requires_grad")
 _copy_all = getattr(torch, "_foreach_copy_", None)
-POOL_DEPTH = 3
-#: buckets with fewer 0-d leaves than this just unbind (a few new tensors cost less than the checks)
-POOL_MIN_LEAVES = 8
-#: single tensors at least this large reuse their wire buffer
-POOL_MIN_BYTES = 1 << 16
-#: results of a bucket larger than this are copied out leaf by leaf, so one kept leaf does not pin the bucket
-DETACH_BYTES = 1 << 20
-#: where the skeleton starts in a broadcast message (after its int64 length)
-SKELETON_AT = 16
-Views = Callable[[Tensor], Sequence[Tensor]]
-
-
-# ---------------------------------------------------------------------------------------------- pool
-class Slot:
-    """One buffer and the views of it handed out; ``commit`` after writing to it."""
-
-    def __init__(self, buffer: Tensor, make_views: Views) -> None:
-        self.buffer = buffer
-        self.views = tuple(make_views(buffer))
-        self.commit()
-
-    def _uses(self) -> int:
-        return int(_use_count(self.buffer.untyped_storage()._cdata)) if _use_count is not None else -1
-
-    def commit(self) -> None:
-        """Record the buffer's state as handed out (after the last write to it). The memory's expected
-        users are the buffer, its views and the storage handle ``_uses`` makes; counted, not measured,
-        since a backend may still hold the buffer of a finished collective for a moment."""
-        self.version = self.buffer._version
-        self.uses = 2 + len(self.views)
-
-    def free(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
-        buffer = self.buffer
-        return (buffer.shape == shape and buffer.dtype == dtype and buffer.device == device
-                and buffer._version == self.version and self._uses() == self.uses
-                and set(map(sys.getrefcount, self.views)) == {2} and not any(map(_requires_grad, self.views)))
-
-
-class Pool:
-    """Up to POOL_DEPTH slots whose views are made by ``make_views`` (default: ``unbind``). A slot's view objects
-    are handed out again, with new values, once no Python reference to any of them is left, no other tensor
-    shares the buffer's memory (a view, ``.numpy()``, a tensor saved for backward), and no in-place change and
-    no ``requires_grad`` happened since; otherwise a new buffer is used, so results a caller keeps never change."""
-
-    def __init__(self, make_views: Views = Tensor.unbind) -> None:
-        self.make_views = make_views
-        self.slots: List[Slot] = []
-
-    def _free(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Any:
-        if _use_count is None:
-            return None
-        for slot in self.slots:
-            if slot.free(shape, dtype, device):
-                return slot
-        return None
-
-    def _keep(self, slot: Slot) -> Slot:
-        if _use_count is not None and len(self.slots) < POOL_DEPTH:
-            self.slots.append(slot)
-        return slot
-
-    def views(self, result: Tensor) -> Sequence[Tensor]:
-        """Views holding ``result``'s values: a free slot's, refilled, or ``result``'s own (kept as a slot)."""
-        slot = self._free(tuple(result.shape), result.dtype, result.device)
-        if slot is None:
-            return self._keep(Slot(result, self.make_views)).views
-        slot.buffer.copy_(result)
-        slot.commit()
-        return slot.views
-
-    def acquire(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Slot:
-        """A slot to write into (a free one, or a new empty buffer); ``commit`` it once written."""
-        slot = self._free(shape, dtype, device)
-        if slot is None:
-            slot = self._keep(Slot(torch.empty(shape, dtype=dtype, device=device), self.make_views))
-        return slot
-
-
-def pool_of(owner: Any, kind: str, make_views: Views = Tensor.unbind) -> Pool:
-    """The pool named ``kind`` kept on ``owner`` (a Bucket) in its ``cache`` dict."""
-    pool = owner.cache.get(kind)
-    if pool is None:
-        pool = owner.cache[kind] = Pool(make_views)
-    return pool
-
 
 # ---------------------------------------------------------------------------------------------- reductions
 def reduced(ctx: Context, plan: Plan, leaves: Sequence[Any], wired: List[Tuple[Any, Optional[Slot]]], tree: Tree,
@@ -130,7 +42,11 @@ def reduced(ctx: Context, plan: Plan, leaves: Sequence[Any], wired: List[Tuple[A
     for k, bucket in enumerate(plan.buckets):
         flat, slot = wired[k]
         if isinstance(flat, np.ndarray):
-            pieces = _numpy_pieces(flat, bucket)
+            if slot is not None:  # reduced into the slot's buffer (in the caller's order)
+                slot.commit()
+                pieces = slot.views
+            else:
+                pieces = _numpy_pieces(flat, bucket)
         elif inplace and bucket.mode == "single" and flat is leaves[bucket.ids[0]]:
             pieces = (flat,)  # reduced where it is
         elif slot is not None and flat is slot.buffer:
@@ -267,10 +183,20 @@ def _split_stacked(region: Tensor, bucket: Bucket) -> Sequence[Tensor]:
     """A gathered bucket ``(size, numel)`` as one contiguous ``(size, *shape)`` tensor per leaf."""
     size = region.shape[0]
     if bucket.scalar:
+        if len(bucket.ids) >= POOL_MIN_LEAVES:  # one copy into a reused (leaves, size) buffer, its views handed out
+            slot = pool_of(bucket, "stacked").acquire((len(bucket.ids), size), region.dtype, region.device)
+            if bucket.perm is not None:  # columns to the caller's order (contiguous rows: fast), then transposed
+                scratch = bucket.cache.get("gather scratch")
+                if scratch is None or scratch.shape != region.shape or scratch.device != region.device:
+                    scratch = bucket.cache["gather scratch"] = torch.empty(region.shape, dtype=region.dtype,
+                                                                           device=region.device)
+                region = torch.index_select(region, 1, bucket.index[region.device][1], out=scratch)
+            slot.buffer.copy_(region.t())
+            slot.commit()
+            return slot.views
         if bucket.perm is not None:
             region = region.index_select(1, bucket.index[region.device][1])
-        columns = region.t().contiguous()
-        return pool_of(bucket, "stacked").views(columns) if len(bucket.ids) >= POOL_MIN_LEAVES else columns.unbind()
+        return region.t().contiguous().unbind()
     if bucket.mode == "single":
         return (region.reshape(size, *bucket.shapes[0]).contiguous(),)
     out, start = [], 0

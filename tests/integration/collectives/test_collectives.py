@@ -501,3 +501,26 @@ def test_a_call_that_does_not_pair_up_after_a_width_change_fails_everywhere(pool
     results = pool2.run(_width_mismatch)
     _assert_same_error_everywhere([r[0] for r in results], "all_reduce")
     assert [r[1] for r in results] == [2.0, 2.0]
+
+
+def _header_widths(fabric):
+    from fabriclite.collectives.state import state_of
+
+    widths = []
+    for _ in range(10):  # a row of 1,000 floats sets a wide header
+        fabric.all_reduce({f"k{i}": torch.tensor(1.0) for i in range(1000)})
+    header = next(iter(state_of(fabric.strategy).headers.values()))
+    widths.append(header.width)
+    results = []
+    for step in range(12):  # one float32 leaf: 4 bytes, the width-1 form's payload
+        results.append(fabric.all_reduce({"loss": torch.tensor(float(step + fabric.global_rank))}, reduce_op="sum"))
+        widths.append(header.width)
+    return widths, [r["loss"].item() for r in results]
+
+
+def test_one_leaf_goes_back_to_the_width_one_header(pool2):
+    """After wide calls, a one-leaf all_reduce (4 bytes) returns the group to the width-1 header (one int64 SUM
+    all_reduce of a word per rank) once the wide calls leave the history, instead of staying on an all_gather."""
+    for widths, values in pool2.run(_header_widths):
+        assert widths[0] > 1 and widths[-1] == 1, widths
+        assert values == [2.0 * step + 1 for step in range(12)]

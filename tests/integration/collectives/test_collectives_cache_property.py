@@ -43,7 +43,12 @@ _change = st.one_of(
     st.tuples(st.just("container"), st.integers(0, 6), st.sampled_from(sorted(TOPS))),
 )
 _steps = st.lists(st.tuples(_change, st.booleans()), min_size=2, max_size=6)  # (change, mutate the dict in place)
-_start = st.dictionaries(st.sampled_from(KEYS), _node, min_size=1, max_size=4)
+#: any dict, or a uniform one (0-d tensors of one dtype: the one-stack path of structure.SpecCache.find)
+_start = st.one_of(
+    st.dictionaries(st.sampled_from(KEYS), _node, min_size=1, max_size=4),
+    st.sampled_from(sorted(DTYPES)).flatmap(
+        lambda dtype: st.dictionaries(st.sampled_from(KEYS), st.just(("T", dtype, ())), min_size=2, max_size=7)),
+)
 
 
 # ---------------------------------------------------------------------------------------------- collections

@@ -74,7 +74,17 @@ def blueprints(op: Optional[str] = None) -> st.SearchStrategy:
         ),
         max_leaves=50,
     )
-    return st.one_of(tree, st.lists(leaf, min_size=20, max_size=50).map(lambda xs: ("L", xs)))
+    # uniform collections (0-d tensors of one dtype: the one-stack path of structure.SpecCache.find), as a list or
+    # a dict, from 2 leaves to more than the header's inline payload holds
+    uniform = st.tuples(st.sampled_from(["L", "D"]), st.sampled_from(dtypes_for(op)),
+                        st.sampled_from([2, 9, 300, 2500])).map(_uniform)
+    return st.one_of(tree, st.lists(leaf, min_size=20, max_size=50).map(lambda xs: ("L", xs)), uniform)
+
+
+def _uniform(spec: Any) -> Any:
+    kind, dtype, n = spec
+    leaves = [("T", dtype, ())] * n
+    return ("L", leaves) if kind == "L" else ("D", {f"u{i}": leaf for i, leaf in enumerate(leaves)})
 
 
 # ---------------------------------------------------------------------------------------------- data per rank

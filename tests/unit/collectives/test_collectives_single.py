@@ -13,12 +13,13 @@ import torch
 
 from fabriclite import Fabric, collectives
 from fabriclite.collectives import ops
+from fabriclite.collectives.buffers import Pool
 from fabriclite.collectives.header import TAG_ERROR, UNIT
 from fabriclite.collectives.packing import units
 from fabriclite.collectives.plans import MAX_SIZE, Call, call_tag, wire_and_result
 from fabriclite.collectives.state import state_of
 from fabriclite.collectives.structure import Spec, flatten, signature
-from fabriclite.collectives.unpacking import Pool, rebuild
+from fabriclite.collectives.unpacking import rebuild
 
 Point = namedtuple("Point", "x y")
 
@@ -224,3 +225,33 @@ def test_pool_skips_views_someone_made_require_grad():
 def test_collectives_module_keeps_its_public_names():
     for name in ("barrier", "broadcast", "all_gather", "all_reduce", "gather", "reduce", "rank_zero_first"):
         assert callable(getattr(collectives, name))
+
+
+def test_a_uniform_collection_is_checked_by_one_stack():
+    """The one-pass key of a uniform collection: found by its structure, its dtypes compared, its values
+    stacked; any change of a leaf's dtype, shape, type or container falls back to the full key."""
+    from fabriclite.collectives.structure import SpecCache
+
+    cache = SpecCache()
+    base = {f"m{i}": torch.tensor(float(i)) for i in range(5)}
+    tree, leaves, spec, stacked = cache.take_apart(base, "reduce")
+    assert stacked is None and spec.uniform == (torch.float32, torch.device("cpu"))  # first sight: the full key
+    tree2, leaves2, spec2, stacked2 = cache.take_apart(dict(base), "reduce")
+    assert spec2 is spec and tree2 == tree and stacked2 is not None
+    assert stacked2.tolist() == [float(i) for i in range(5)]
+    changed = {
+        "dtype": torch.tensor(1.0, dtype=torch.float64),
+        "shape": torch.ones(1),
+        "type": 1.0,
+        "container": {"x": torch.tensor(1.0)},
+        "int": torch.tensor(1),
+    }
+    for what, leaf in changed.items():
+        data = dict(base, m3=leaf)
+        got_tree, got_leaves, other, again = cache.take_apart(data, "reduce")
+        assert again is None and other is not spec and len(got_leaves) == 5, what
+        if what == "container":  # another structure, uniform in its turn (every leaf still a 0-d float32)
+            assert got_tree != tree and other.uniform is not None
+        else:
+            assert other.uniform is None, what
+    assert cache.take_apart(dict(base), "reduce")[3] is not None  # and back
