@@ -4,8 +4,8 @@ Debian's slurm-wlm (built with multiple-slurmd) and munge, installed by scripts/
 one temporary folder: a munge key and its own ``munged`` socket, ``slurm.conf`` (one ``slurmctld``, three ``slurmd
 -N n1|n2|n3``, each on its own free port, ``NodeAddr=127.0.0.1``), state, spool and logs. The node names must
 resolve, as on a real cluster (fabriclite's ranks meet at the first node of the job's node list): the cluster adds
-``127.0.0.1 n1 n2 n3`` to /etc/hosts, marked with its own comment, and removes that line when it stops. Nothing is
-faked: the jobs run through sbatch / srun / scontrol / scancel against these daemons.
+``127.0.0.1 n1 n2 n3`` to /etc/hosts, marked with its own comment, and removes that line when it stops. Every job runs
+through the real sbatch / srun / scontrol / scancel against these daemons.
 """
 from __future__ import annotations
 
