@@ -22,7 +22,7 @@ from fabriclite.compat import lightning_module, run_method, user_warnings
 from fabriclite.connector import Connector, cli_used
 from fabriclite.loggers.base import scalars, share_logger_state
 from fabriclite.strategies import Strategy
-from fabriclite.supervision import rank_signals
+from fabriclite.supervision import rank_progress, rank_signals
 from fabriclite.supervision.output_forwarding import line_buffer_stdio
 from fabriclite.supervision.rank_child import ERROR_FILE_ENV, exit_on_error, record_errors
 from fabriclite.supervision.restarts import restart_count
@@ -288,7 +288,15 @@ class Fabric:
     def backward(self, tensor: Tensor, *args: Any, model: Optional[FabricModule] = None, **kwargs: Any) -> None:
         """``tensor.backward(*args, **kwargs)`` through the strategy and precision (loss scaling)."""
         module = model._forward_module if isinstance(model, FabricModule) else model
-        self._strategy.backward(tensor, module, *args, **kwargs)
+        record = rank_progress.progress()  # backward waits for the gradient all-reduce: not busy time (stragglers)
+        if record is None:
+            self._strategy.backward(tensor, module, *args, **kwargs)
+            return
+        record.wait_started()
+        try:
+            self._strategy.backward(tensor, module, *args, **kwargs)
+        finally:
+            record.wait_ended()
 
     def clip_gradients(self, module: Union[nn.Module, FabricModule], optimizer: Union[Optimizer, FabricOptimizer],
                        clip_val: Optional[float] = None, max_norm: Optional[float] = None,

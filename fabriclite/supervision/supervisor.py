@@ -34,6 +34,7 @@ from fabriclite.distributed import rendezvous
 from fabriclite.environments.fabriclite_env import child_env
 from fabriclite.supervision.rank_child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
 from fabriclite.supervision.failures import Failure, remote_is_root, root_cause, signal_name, summarize
+from fabriclite.supervision.hang_watch import HangWatch, is_hang
 from fabriclite.supervision.output_forwarding import OutputOptions
 from fabriclite.supervision.lighthouse import Lighthouse, LiveOptions, wait_reachable
 from fabriclite.supervision.linger import leave
@@ -111,6 +112,9 @@ class Supervisor:
         self.preemption = Preemption(preempt)
         self.live = live
         self._lighthouse: Optional[Lighthouse] = None
+        #: ranks' progress records, the optimizer-step hang watch and live stacks (supervision/hang_watch.py)
+        self.hangs = HangWatch(layout.node_rank, layout.global_rank, timeout.total_seconds())
+        self._dump_requested = False
 
     # ------------------------------------------------------------------ the job's store
     def _open_store(self) -> None:
@@ -146,6 +150,8 @@ class Supervisor:
             rendezvous.ROUND_ENV: str(self.round), rendezvous.RUN_ID_ENV: self.run_id,
             MAX_RESTARTS_ENV: str(self.restarts.max_restarts),
         })
+        values.update(self.hangs.rank_env(self.round, local_rank,
+                                          self.extra_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))))
         return {**self.extra_env, **values}
 
     @property
@@ -180,7 +186,7 @@ class Supervisor:
 
         Raises RendezvousError (naming address and port) when the store cannot be hosted or joined;
         a signal while joining ends the wait at once (exit code 128 + signal)."""
-        self._tmpdir = tempfile.mkdtemp(prefix="fabriclite-")
+        self._tmpdir = self.hangs.tmpdir = tempfile.mkdtemp(prefix="fabriclite-")
         restore = self._install_signal_handlers()
         try:
             code = self._open()
@@ -259,6 +265,12 @@ class Supervisor:
             if failures:
                 self._collect_more(running, failures)
                 return self._fail(failures)
+            if self._dump_requested:  # SIGQUIT: print the ranks' stacks, the job goes on
+                self._dump_requested = False
+                self._report(self._stacks("on request (SIGQUIT to the supervisor); the job goes on"))
+            hung = self.hangs.check({r: (w.pid, True) for r, w in running.items()})
+            if hung is not None:
+                return self._hung(hung)
             if self.layout.num_nodes > 1 and time.monotonic() >= next_remote:
                 next_remote = time.monotonic() + REMOTE_POLL_S
                 self._beat()
@@ -266,6 +278,8 @@ class Supervisor:
                 if remote is not None:
                     self.summary = (f"fabriclite: the job failed on {rendezvous.describe_failure(remote)}\n"
                                     f"  stopping the ranks of node {self.layout.node_rank}.")
+                    if remote.get("hang"):  # every node reports its own ranks' stacks
+                        self.summary += "\n" + self._stacks(f"node {remote.get('node')} reported a hang")
                     return 1
             time.sleep(POLL_S)
         return 0
@@ -288,6 +302,8 @@ class Supervisor:
                 if local_rank not in self._raised_at:
                     if os.path.exists(self._error_file(local_rank)):
                         self._raised_at[local_rank] = now
+                        self.hangs.error_seen(local_rank, self._error_file(local_rank), self._live(),
+                                              list(self._raised_at))  # a collective timeout: stacks now
                     continue
                 if now - self._raised_at[local_rank] < RAISED_GRACE_S:
                     continue
@@ -321,10 +337,30 @@ class Supervisor:
                     if r not in failed and w.poll() is None]
         self.summary = summarize(failures, remote, self.layout.node_rank, stopping, self._finished)
         root = root_cause(failures)
+        hang = is_hang(root)
+        if hang:  # before any SIGTERM: where every live rank is, the stuck one among them
+            self.summary += "\n" + (self.hangs.taken or
+                                     self._stacks(f"rank {root.global_rank} reported a collective timeout", failed))
         if remote_is_root(remote, root, self.layout.node_rank):
             return 1
-        rendezvous.publish_failure(self._store, root.record())
+        rendezvous.publish_failure(self._store, {**root.record(), "hang": hang})
         return root.exit_code
+
+    def _live(self, failed: Set[int] = frozenset()) -> Dict[int, Any]:  # type: ignore[assignment]
+        return {r: (w.pid, w.poll() is None and r not in failed) for r, w in self._workers.items()}
+
+    def _stacks(self, why: str, failed: Set[int] = frozenset()) -> str:  # type: ignore[assignment]
+        """Every live rank's stacks (all threads; not those of ``failed`` local ranks: their tracebacks are in the
+        summary), with their progress (supervision/stacks.py)."""
+        return self.hangs.stacks(self._live(failed), why)
+
+    def _hung(self, reason: str) -> int:
+        """No rank here completed an optimizer step within the hang timeout: stacks, then stop as a failure."""
+        self.summary = f"fabriclite: the job is hung: {reason}.\n" + self._stacks("hung")
+        rendezvous.publish_failure(self._store, {
+            "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
+            "hang": True, "message": f"the supervisor of node {self.layout.node_rank} found it hung: {reason}"})
+        return 1
 
     def _interrupted(self, signum: int) -> int:
         name = signal_name(signum)
@@ -377,9 +413,12 @@ class Supervisor:
     def _install_signal_handlers(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGQUIT)}
 
         def handler(signum: int, frame: Any) -> None:
+            if signum == signal.SIGQUIT:  # print the ranks' stacks (the watch loop takes them); the job goes on
+                self._dump_requested = True
+                return
             if not self._opening and self.preemption.notice(signum, self._workers):
                 return  # the first SIGTERM / SIGUSR1: a grace period (see supervision/preemption.py)
             self._signal = signum

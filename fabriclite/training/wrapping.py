@@ -25,6 +25,7 @@ from fabriclite.checkpoint import loader_position
 from fabriclite.training import forward_methods
 from fabriclite.training.callbacks import call_hook
 from fabriclite.strategies.base import Strategy
+from fabriclite.supervision import rank_progress
 
 #: LightningModule-style step methods that go through the strategy's forward (like ``forward``)
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -138,6 +139,9 @@ class FabricOptimizer:
         (the closure's loss when a closure is given)."""
         kwargs = {"closure": closure} if closure is not None else {}
         output = self._strategy.optimizer_step(self._optimizer, **kwargs)
+        record = rank_progress.progress()  # the supervisor's view: steps (hangs, goodput) and busy time (stragglers)
+        if record is not None:
+            record.step_done()
         if self._callbacks:
             call_hook(self._callbacks, "on_after_optimizer_step", strategy=self._strategy, optimizer=self._optimizer)
         return output
