@@ -165,8 +165,9 @@ def install_stack_handler() -> bool:
     if not path or _stack_file is not None:
         return False
     try:
-        _stack_file = open(path, "w")
+        _stack_file = open(f"{path}.{os.getpid()}.tmp", "w")
         faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+        os.replace(_stack_file.name, path)  # the file appears only once the handler is in place
     except (OSError, ValueError, RuntimeError):
         return False
     return True

@@ -140,7 +140,7 @@ class FabricOptimizer:
         kwargs = {"closure": closure} if closure is not None else {}
         output = self._strategy.optimizer_step(self._optimizer, **kwargs)
         record = rank_progress.progress()  # the supervisor's view: steps (hangs, goodput) and busy time (stragglers)
-        if record is not None:
+        if record is not None and output is not False:  # False: --fault-tolerant's quorum did not commit it
             record.step_done()
         if self._callbacks:
             call_hook(self._callbacks, "on_after_optimizer_step", strategy=self._strategy, optimizer=self._optimizer)
