@@ -71,6 +71,8 @@ class HangWatch:
         self.tmpdir = ""
         self.round = 0
         self._next_check = 0.0
+        #: the ranks' records as last read by ``check`` (global rank -> record or None)
+        self.last_records: Dict[int, Optional[dict]] = {}
         #: the stack section taken in this round after a rank reported a collective timeout ("" if none)
         self.taken = ""
 
@@ -108,7 +110,8 @@ class HangWatch:
         if not workers or time.monotonic() < self._next_check:
             return None
         self._next_check = time.monotonic() + CHECK_EVERY_S
-        records = {r: rec for r, rec in self.records(list(workers)).items() if rec is not None}
+        self.last_records = self.records(list(workers))
+        records = {r: rec for r, rec in self.last_records.items() if rec is not None}
         now = time.time()
         waits = [rec["waiting_since"] for rec in records.values() if rec.get("waiting_since")]
         if waits and self.collective_timeout_s and now - min(waits) >= self._snapshot_after_s \

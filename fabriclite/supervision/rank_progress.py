@@ -21,11 +21,12 @@ PROGRESS_FILE_ENV = "FABRICLITE_PROGRESS_FILE"
 #: layout version (the first field), bumped when the fields change
 VERSION = 1
 # version, pid, steps, last step (unix time), entered #, finished #, busy ns (total), waits ns (total),
-# waiting since (unix time, 0: not waiting), in collective (0/1), device flags, entered name, finished name
-_FORMAT = "<qqqdqqqqdqq32s32s"
+# waiting since (unix time, 0: not waiting), in collective (0/1), device flags, entered name, finished name,
+# first step (unix time)
+_FORMAT = "<qqqdqqqqdqq32s32sd"
 SIZE = struct.calcsize(_FORMAT)
 _STEPS, _LAST, _ENTERED, _FINISHED, _BUSY, _WAITS = 16, 24, 32, 40, 48, 56
-_SINCE, _INSIDE, _FLAGS, _ENTERED_NAME, _FINISHED_NAME = 64, 72, 80, 88, 120
+_SINCE, _INSIDE, _FLAGS, _ENTERED_NAME, _FINISHED_NAME, _FIRST = 64, 72, 80, 88, 120, 152
 #: device flag: the rank's process group is NCCL (the summary points at NCCL's flight recorder)
 FLAG_NCCL = 1
 
@@ -51,6 +52,11 @@ class RankProgress:
         self._cycle_start = time.perf_counter_ns()
         self._busy_ns = 0
 
+    @property
+    def steps(self) -> int:
+        """Optimizer steps this process made."""
+        return self._steps
+
     # ------------------------------------------------------------------ steps
     def step_done(self) -> None:
         """One optimizer step ended: count it, and add its time outside waits to the busy total."""
@@ -60,7 +66,10 @@ class RankProgress:
         self._steps += 1
         m = self._map
         _pack_q(m, _BUSY, self._busy_ns)
-        _pack_d(m, _LAST, time.time())
+        wall = time.time()
+        if self._steps == 1:
+            _pack_d(m, _FIRST, wall)
+        _pack_d(m, _LAST, wall)
         _pack_q(m, _STEPS, self._steps)
 
     # ------------------------------------------------------------------ waits
@@ -132,11 +141,11 @@ def read(path: str) -> Optional[Dict[str, Any]]:
     if len(raw) < SIZE:
         return None
     (version, pid, steps, last, entered, finished, busy, _waits, since, inside, flags, entered_name,
-     finished_name) = struct.unpack(_FORMAT, raw)
+     finished_name, first) = struct.unpack(_FORMAT, raw)
     if version == 0:
         return None
     return {"version": version, "pid": pid, "steps": steps, "last_step_time": last or None, "entered": entered,
-            "finished": finished, "busy_ns": busy, "waiting_since": since or None, "inside": bool(inside), "flags": flags,
+            "finished": finished, "busy_ns": busy, "waiting_since": since or None, "first_step_time": first or None, "inside": bool(inside), "flags": flags,
             "entered_name": entered_name.rstrip(b"\0").decode(errors="replace"),
             "finished_name": finished_name.rstrip(b"\0").decode(errors="replace")}
 

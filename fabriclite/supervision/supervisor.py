@@ -34,6 +34,7 @@ from fabriclite.distributed import rendezvous
 from fabriclite.environments.fabriclite_env import child_env
 from fabriclite.supervision.rank_child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
 from fabriclite.supervision.failures import Failure, remote_is_root, root_cause, signal_name, summarize
+from fabriclite.supervision.goodput import JobRecord
 from fabriclite.supervision.hang_watch import HangWatch, is_hang
 from fabriclite.supervision.output_forwarding import OutputOptions
 from fabriclite.supervision.lighthouse import Lighthouse, LiveOptions, wait_reachable
@@ -115,6 +116,8 @@ class Supervisor:
         #: ranks' progress records, the optimizer-step hang watch and live stacks (supervision/hang_watch.py)
         self.hangs = HangWatch(layout.node_rank, layout.global_rank, timeout.total_seconds())
         self._dump_requested = False
+        #: the node's events record (supervision/events.py) and node 0's goodput line (supervision/goodput.py)
+        self.record = JobRecord(layout.node_rank, self.run_id, self.output.log_dir, layout.local_world_size)
 
     # ------------------------------------------------------------------ the job's store
     def _open_store(self) -> None:
@@ -150,6 +153,7 @@ class Supervisor:
             rendezvous.ROUND_ENV: str(self.round), rendezvous.RUN_ID_ENV: self.run_id,
             MAX_RESTARTS_ENV: str(self.restarts.max_restarts),
         })
+        values.update(self.record.rank_env())
         values.update(self.hangs.rank_env(self.round, local_rank,
                                           self.extra_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))))
         return {**self.extra_env, **values}
@@ -187,6 +191,7 @@ class Supervisor:
         Raises RendezvousError (naming address and port) when the store cannot be hosted or joined;
         a signal while joining ends the wait at once (exit code 128 + signal)."""
         self._tmpdir = self.hangs.tmpdir = tempfile.mkdtemp(prefix="fabriclite-")
+        self.record.job_start()
         restore = self._install_signal_handlers()
         try:
             code = self._open()
@@ -199,6 +204,9 @@ class Supervisor:
             code, line = self.preemption.finish(code, self.layout.node_rank)
             self.summary = "\n".join(s for s in (self.summary, line) if s)
             self._report(self.summary)
+            goodput = self.record.job_end(code, requeued=code == 0 and self.preemption.active)
+            if goodput and self.report:
+                print_summary(goodput)
             if self._lighthouse is not None:  # the other groups may still train: keep it up for them
                 self._lighthouse.linger(lambda: self._signal is not None)
             self._leave(failed=code != 0)
@@ -238,12 +246,14 @@ class Supervisor:
         self._workers, self._raised_at, self._finished = {}, {}, []
         if os.path.exists(self._stop_marker):
             os.unlink(self._stop_marker)
+        self.record.round_start(number, self.restarts.backoff(number - 1) if number else None)
         for local_rank in range(self.layout.local_world_size):
             worker = self._workers[local_rank] = start(local_rank, self.child_env(local_rank))
             self._reaper.watch(worker.pid)  # each rank leads its own process group
         code = self._watch()
         self._stop_all()
         self.output.close()
+        self.record.round_end(code, self.hangs.records(list(self._workers)))
         return code
 
     def _report(self, text: str) -> None:
@@ -269,6 +279,7 @@ class Supervisor:
                 self._dump_requested = False
                 self._report(self._stacks("on request (SIGQUIT to the supervisor); the job goes on"))
             hung = self.hangs.check({r: (w.pid, True) for r, w in running.items()})
+            self.record.watch(self.hangs.last_records)
             if hung is not None:
                 return self._hung(hung)
             if self.layout.num_nodes > 1 and time.monotonic() >= next_remote:
@@ -280,6 +291,7 @@ class Supervisor:
                                     f"  stopping the ranks of node {self.layout.node_rank}.")
                     if remote.get("hang"):  # every node reports its own ranks' stacks
                         self.summary += "\n" + self._stacks(f"node {remote.get('node')} reported a hang")
+                    self.record.failure(remote.get("rank"), str(remote.get("message", "")), 1, bool(remote.get("hang")))
                     return 1
             time.sleep(POLL_S)
         return 0
@@ -341,6 +353,9 @@ class Supervisor:
         if hang:  # before any SIGTERM: where every live rank is, the stuck one among them
             self.summary += "\n" + (self.hangs.taken or
                                      self._stacks(f"rank {root.global_rank} reported a collective timeout", failed))
+        self.record.failure(root.global_rank, root.describe(), root.exit_code, hang)
+        if hang:
+            self.record.hang(root.error_line, self.hangs.taken or self.summary[self.summary.find("--- live stacks"):])
         if remote_is_root(remote, root, self.layout.node_rank):
             return 1
         rendezvous.publish_failure(self._store, {**root.record(), "hang": hang})
@@ -356,7 +371,10 @@ class Supervisor:
 
     def _hung(self, reason: str) -> int:
         """No rank here completed an optimizer step within the hang timeout: stacks, then stop as a failure."""
-        self.summary = f"fabriclite: the job is hung: {reason}.\n" + self._stacks("hung")
+        stacks = self._stacks("hung")
+        self.summary = f"fabriclite: the job is hung: {reason}.\n" + stacks
+        self.record.failure(None, reason, 1, True)
+        self.record.hang(reason, stacks)
         rendezvous.publish_failure(self._store, {
             "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
             "hang": True, "message": f"the supervisor of node {self.layout.node_rank} found it hung: {reason}"})
@@ -420,6 +438,7 @@ class Supervisor:
                 self._dump_requested = True
                 return
             if not self._opening and self.preemption.notice(signum, self._workers):
+                self.record.preemption_notice(signum)
                 return  # the first SIGTERM / SIGUSR1: a grace period (see supervision/preemption.py)
             self._signal = signum
             if self._opening:  # waiting for node 0's store: stop waiting now
