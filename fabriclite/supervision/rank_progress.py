@@ -15,18 +15,18 @@ import mmap
 import os
 import struct
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 PROGRESS_FILE_ENV = "FABRICLITE_PROGRESS_FILE"
 #: layout version (the first field), bumped when the fields change
 VERSION = 1
 # version, pid, steps, last step (unix time), entered #, finished #, busy ns (total), waits ns (total),
 # waiting since (unix time, 0: not waiting), in collective (0/1), device flags, entered name, finished name,
-# first step (unix time)
-_FORMAT = "<qqqdqqqqdqq32s32sd"
+# first step (unix time); written by the supervisor: the slowest rank (-1: none named) and how much slower
+_FORMAT = "<qqqdqqqqdqq32s32sdqd"
 SIZE = struct.calcsize(_FORMAT)
 _STEPS, _LAST, _ENTERED, _FINISHED, _BUSY, _WAITS = 16, 24, 32, 40, 48, 56
-_SINCE, _INSIDE, _FLAGS, _ENTERED_NAME, _FINISHED_NAME, _FIRST = 64, 72, 80, 88, 120, 152
+_SINCE, _INSIDE, _FLAGS, _ENTERED_NAME, _FINISHED_NAME, _FIRST, _SLOWEST, _SLOWER = 64, 72, 80, 88, 120, 152, 160, 168
 #: device flag: the rank's process group is NCCL (the summary points at NCCL's flight recorder)
 FLAG_NCCL = 1
 
@@ -106,6 +106,11 @@ class RankProgress:
     def set_flags(self, flags: int) -> None:
         _pack_q(self._map, _FLAGS, flags)
 
+    def slowest(self) -> Optional[Tuple[int, float]]:
+        """The straggler the supervisor named (global rank, fraction slower than the median), or None."""
+        rank, slower = struct.unpack_from("<qd", self._map, _SLOWEST)
+        return (rank, slower) if slower > 0 else None
+
 
 _progress: Optional[RankProgress] = None
 _opened = False
@@ -141,7 +146,7 @@ def read(path: str) -> Optional[Dict[str, Any]]:
     if len(raw) < SIZE:
         return None
     (version, pid, steps, last, entered, finished, busy, _waits, since, inside, flags, entered_name,
-     finished_name, first) = struct.unpack(_FORMAT, raw)
+     finished_name, first, _slowest, _slower) = struct.unpack(_FORMAT, raw)
     if version == 0:
         return None
     return {"version": version, "pid": pid, "steps": steps, "last_step_time": last or None, "entered": entered,
@@ -173,3 +178,15 @@ def describe(record: Optional[Dict[str, Any]]) -> str:
     else:
         parts.append("no optimizer step yet")
     return "; ".join(parts)
+
+
+def write_slowest(path: str, rank: int, slower: float) -> None:
+    """(Supervisor) tell the rank of record ``path`` which rank is the slowest (``slower`` 0: none)."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.pwrite(fd, struct.pack("<qd", rank, slower), _SLOWEST)
+    finally:
+        os.close(fd)

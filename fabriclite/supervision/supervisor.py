@@ -36,6 +36,8 @@ from fabriclite.supervision.rank_child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
 from fabriclite.supervision.failures import Failure, remote_is_root, root_cause, signal_name, summarize
 from fabriclite.supervision.goodput import JobRecord
 from fabriclite.supervision.hang_watch import HangWatch, is_hang
+from fabriclite.supervision.rank_progress import write_slowest
+from fabriclite.supervision.stragglers import StragglerWatch
 from fabriclite.supervision.output_forwarding import OutputOptions
 from fabriclite.supervision.lighthouse import Lighthouse, LiveOptions, wait_reachable
 from fabriclite.supervision.linger import leave
@@ -118,6 +120,9 @@ class Supervisor:
         self._dump_requested = False
         #: the node's events record (supervision/events.py) and node 0's goodput line (supervision/goodput.py)
         self.record = JobRecord(layout.node_rank, self.run_id, self.output.log_dir, layout.local_world_size)
+        #: ranks slower than the median, from their busy time (supervision/stragglers.py)
+        self.stragglers = StragglerWatch(layout.node_rank, layout.num_nodes,
+                                         lambda rank: rank // layout.local_world_size)
 
     # ------------------------------------------------------------------ the job's store
     def _open_store(self) -> None:
@@ -247,6 +252,9 @@ class Supervisor:
         if os.path.exists(self._stop_marker):
             os.unlink(self._stop_marker)
         self.record.round_start(number, self.restarts.backoff(number - 1) if number else None)
+        self.stragglers.reset()
+        self._shown_slowest: Any = None
+        self.stragglers.store = self._store if self.layout.num_nodes > 1 else None
         for local_rank in range(self.layout.local_world_size):
             worker = self._workers[local_rank] = start(local_rank, self.child_env(local_rank))
             self._reaper.watch(worker.pid)  # each rank leads its own process group
@@ -280,6 +288,7 @@ class Supervisor:
                 self._report(self._stacks("on request (SIGQUIT to the supervisor); the job goes on"))
             hung = self.hangs.check({r: (w.pid, True) for r, w in running.items()})
             self.record.watch(self.hangs.last_records)
+            self._stragglers()
             if hung is not None:
                 return self._hung(hung)
             if self.layout.num_nodes > 1 and time.monotonic() >= next_remote:
@@ -295,6 +304,19 @@ class Supervisor:
                     return 1
             time.sleep(POLL_S)
         return 0
+
+    def _stragglers(self) -> None:
+        """Name new stragglers (node 0: one line each, an event) and show the slowest rank to the progress bar."""
+        found = self.stragglers.observe(self.hangs.last_records)
+        for s in found:
+            if self.report:
+                print_summary(s.line)
+            self.record.emit("straggler", rank=s.rank, node=s.node, slower=round(s.slower, 4), windows=s.windows)
+        if self.stragglers.slowest != self._shown_slowest:
+            self._shown_slowest = self.stragglers.slowest
+            rank, slower = self.stragglers.slowest or (-1, 0.0)
+            for local_rank in self._workers:
+                write_slowest(self.hangs.progress_file(local_rank), rank, slower)
 
     def _beat(self) -> None:
         """Tell node 0's supervisor this one is alive (it waits for live nodes before it leaves)."""

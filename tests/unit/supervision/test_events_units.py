@@ -57,3 +57,26 @@ def test_goodput_parts_across_a_restart_and_a_requeue():
     assert line.startswith("fabriclite: goodput 46.2% (18.0 s of 39.0 s in steps that counted); badput: start-up "
                            "9.0 s, restart 3.0 s, redone steps 3.0 s (4 steps), checkpoint stalls 2.0 s, preemption "
                            "2.0 s, other 2.0 s (events: f.jsonl)"), line
+
+
+def test_a_straggler_is_named_once_after_enough_windows_in_a_row(monkeypatch):
+    from fabriclite.supervision.stragglers import StragglerWatch
+
+    monkeypatch.setenv("FABRICLITE_STRAGGLER_WINDOW", "4")
+    monkeypatch.setenv("FABRICLITE_STRAGGLER_WINDOWS", "2")
+    watch = StragglerWatch(0, 1, lambda rank: rank // 2)
+    assert watch.threshold == 0.25
+    slow = {0: 0.010, 1: 0.011, 2: 0.010, 3: 0.020}  # rank 3: +90% over the median 0.0105
+    assert watch.judge(slow) == []  # one window is not enough
+    named = watch.judge(slow)
+    assert [(s.rank, s.node, round(s.slower, 2), s.windows) for s in named] == [(3, 1, 0.9, 2)]
+    assert named[0].line.startswith("fabriclite: straggler: rank 3 (node 1) is 90% slower than the median rank")
+    assert watch.judge(slow) == [] and watch.slowest[0] == 3  # named once
+    assert watch.judge({0: 0.010, 1: 0.011, 2: 0.010, 3: 0.011}) == [] and watch.slowest is None  # caught up
+    # the records' way in: busy time per step since the previous window's end
+    records = {r: {"steps": 4, "busy_ns": int(4 * b * 1e9)} for r, b in slow.items()}
+    watch.reset()
+    assert watch.observe(records) == [] and watch.observe(records) == []  # window 1 once, then nothing new
+    monkeypatch.setenv("FABRICLITE_STRAGGLER_THRESHOLD", "-1")
+    with pytest.raises(ValueError, match=r"\$FABRICLITE_STRAGGLER_THRESHOLD='-1' is not valid: expected a fraction"):
+        StragglerWatch(0, 1, lambda rank: 0)
