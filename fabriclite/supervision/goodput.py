@@ -10,7 +10,8 @@ time); "other" is what no event explains (store opening, ranks' exits).
   first step done: imports, rendezvous, set-up, data loading, the first step itself).
 - **restart**: from a failed round's ``failure`` to the next ``round_start`` (stopping the ranks, the backoff).
 - **redone steps** (wasted progress): in a round that failed and was restarted, the steps after its last
-  ``checkpoint`` (or after its first step when it saved none), from that checkpoint to its last step.
+  ``checkpoint`` (or after its first step when it saved none), from that checkpoint to its last step; none when
+  the next round healed from a live peer (``restore`` from ``<live peer>``, ``--fault-tolerant``).
 - **checkpoint stalls**: the ``blocked`` time of every ``checkpoint``.
 - **preemption**: from a ``preemption_notice`` to the end of that round.
 """
@@ -81,6 +82,10 @@ def measure(records: List[Dict[str, Any]]) -> Goodput:
             if r is not None:
                 r["up"] = float(e.get("first_step") or t)
                 result.badput["startup"] += r["up"] - r["start"]
+        elif kind == "restore":
+            r = rounds.get((launch, e.get("round", 0)))
+            if r is not None and e.get("source") == "<live peer>":
+                r["healed"] = True  # --fault-tolerant: the state came from a live peer, nothing is redone
         elif kind == "checkpoint":
             result.badput["checkpoint"] += float(e.get("blocked", 0.0))
             r = rounds.get((launch, e.get("round", 0)))
@@ -122,7 +127,7 @@ def measure(records: List[Dict[str, Any]]) -> Goodput:
         good = r.get("good", 0.0)
         if "redone" in r:
             redone, steps = r["redone"]
-            if index + 1 < len(ordered):
+            if index + 1 < len(ordered) and not ordered[index + 1][1].get("healed"):
                 result.badput["redone"] += redone
                 result.redone_steps += steps
             else:

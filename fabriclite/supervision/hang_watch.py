@@ -8,7 +8,11 @@ A hang is:
   hang timeout, once the job has done its first step: that catches ranks stuck with nobody waiting on them.
   ``$FABRICLITE_HANG_TIMEOUT`` seconds (0: off), default twice the job's collective timeout
   (``fabriclite run --timeout``, ``$FABRICLITE_TIMEOUT``, 30 minutes), so that a collective timeout, which names
-  the collective and the ranks that did not arrive, is reported first where there is one.
+  the collective and the ranks that did not arrive, is reported first where there is one. Under
+  ``--fault-tolerant`` (each node a replica group with its own supervisor) a group is hung when it commits no step
+  for that long while its rank is not waiting on the other groups (in ``backward`` or a collective): a group whose
+  rank waits is held up by another, which its own supervisor finds hung; it then handles it as a failed group
+  (stacks, stop, restart from a live peer with ``--max-restarts``).
 
 When the job is stopped because of a hang, the supervisor takes every live rank's stacks before any SIGTERM. Stops
 that are not hangs (a rank raised, was killed, or the job was preempted) take none, so restarts stay fast.
@@ -63,6 +67,8 @@ class HangWatch:
         self._global_rank = global_rank
         self.timeout_s = hang_timeout(2 * timeout_s)
         self.collective_timeout_s = timeout_s
+        #: --fault-tolerant (each node a replica group): a group whose ranks all wait on the others is not hung
+        self.live = False
         #: a snapshot is taken this long into a wait (SNAPSHOT_MARGIN before the collective timeout fires)
         self._snapshot_after_s = timeout_s - min(SNAPSHOT_MARGIN_S, 0.3 * timeout_s)
         #: the stack section of the latest snapshot ("" if none), and the wait it was taken for
@@ -127,6 +133,10 @@ class HangWatch:
         idle = now - last
         if idle <= self.timeout_s:
             return None
+        if all(rec["flags"] & rank_progress.FLAG_EXITING for rec in records.values()):
+            return None  # every rank's script has ended: its exit is no hang
+        if self.live and all(rec.get("waiting_since") for rec in records.values()):
+            return None  # --fault-tolerant: every rank here waits on the other groups; the stuck one is elsewhere
         steps = max(rec["steps"] for rec in records.values())
         return (f"no rank of node {self.node_rank} completed an optimizer step for {idle:.0f} s (hang timeout "
                 f"{self.timeout_s:g} s, ${HANG_TIMEOUT_ENV}); the last one was step {steps}")

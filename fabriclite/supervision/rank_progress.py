@@ -11,6 +11,7 @@ A step is one call of the optimizer wrapper's ``step`` (``FabricOptimizer.step``
 """
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import struct
@@ -29,6 +30,8 @@ _STEPS, _LAST, _ENTERED, _FINISHED, _BUSY, _WAITS = 16, 24, 32, 40, 48, 56
 _SINCE, _INSIDE, _FLAGS, _ENTERED_NAME, _FINISHED_NAME, _FIRST, _SLOWEST, _SLOWER = 64, 72, 80, 88, 120, 152, 160, 168
 #: device flag: the rank's process group is NCCL (the summary points at NCCL's flight recorder)
 FLAG_NCCL = 1
+#: the rank's interpreter is exiting (its atexit handlers run): no more steps are to be expected
+FLAG_EXITING = 2
 
 _pack_q = struct.Struct("<q").pack_into
 _pack_d = struct.Struct("<d").pack_into
@@ -51,6 +54,8 @@ class RankProgress:
         self._depth = 0
         self._cycle_start = time.perf_counter_ns()
         self._busy_ns = 0
+        self._flags = 0
+        atexit.register(self.set_flags, FLAG_EXITING)  # the end of the script is no hang
 
     @property
     def steps(self) -> int:
@@ -104,7 +109,9 @@ class RankProgress:
         _pack_q(m, _INSIDE, 0)
 
     def set_flags(self, flags: int) -> None:
-        _pack_q(self._map, _FLAGS, flags)
+        """Add ``flags`` (FLAG_*) to the record's."""
+        self._flags |= flags
+        _pack_q(self._map, _FLAGS, self._flags)
 
     def slowest(self) -> Optional[Tuple[int, float]]:
         """The straggler the supervisor named (global rank, fraction slower than the median), or None."""

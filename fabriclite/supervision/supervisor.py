@@ -117,6 +117,7 @@ class Supervisor:
         self._lighthouse: Optional[Lighthouse] = None
         #: ranks' progress records, the optimizer-step hang watch and live stacks (supervision/hang_watch.py)
         self.hangs = HangWatch(layout.node_rank, layout.global_rank, timeout.total_seconds())
+        self.hangs.live = live is not None
         self._dump_requested = False
         #: the node's events record (supervision/events.py) and node 0's goodput line (supervision/goodput.py)
         self.record = JobRecord(layout.node_rank, self.run_id, self.output.log_dir, layout.local_world_size)
