@@ -48,6 +48,7 @@ bench: venv
 	$(PY) benchmarks/fsdp.py --plot docs/fsdp_benchmark.png
 	$(PY) benchmarks/training.py
 	$(PY) benchmarks/collective_watch.py
+	$(PY) benchmarks/step_timing.py
 	$(PY) benchmarks/fault_tolerance.py
 
 clean:

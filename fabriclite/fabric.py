@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 import warnings
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Dict, Generator, List, Mapping, Optional, Union
@@ -22,7 +23,7 @@ from fabriclite.compat import lightning_module, run_method, user_warnings
 from fabriclite.connector import Connector, cli_used
 from fabriclite.loggers.base import scalars, share_logger_state
 from fabriclite.strategies import Strategy
-from fabriclite.supervision import rank_signals
+from fabriclite.supervision import events, rank_progress, rank_signals
 from fabriclite.supervision.output_forwarding import line_buffer_stdio
 from fabriclite.supervision.rank_child import ERROR_FILE_ENV, exit_on_error, record_errors
 from fabriclite.supervision.restarts import agree_restart_count, restart_count
@@ -294,7 +295,15 @@ class Fabric:
     def backward(self, tensor: Tensor, *args: Any, model: Optional[FabricModule] = None, **kwargs: Any) -> None:
         """``tensor.backward(*args, **kwargs)`` through the strategy and precision (loss scaling)."""
         module = model._forward_module if isinstance(model, FabricModule) else model
-        self._strategy.backward(tensor, module, *args, **kwargs)
+        record = rank_progress.progress()  # backward waits for the gradient all-reduce: not busy time (stragglers)
+        if record is None:
+            self._strategy.backward(tensor, module, *args, **kwargs)
+            return
+        record.wait_started()
+        try:
+            self._strategy.backward(tensor, module, *args, **kwargs)
+        finally:
+            record.wait_ended()
 
     def clip_gradients(self, module: Union[nn.Module, FabricModule], optimizer: Union[Optimizer, FabricOptimizer],
                        clip_val: Optional[float] = None, max_norm: Optional[float] = None,
@@ -370,11 +379,14 @@ class Fabric:
         snapshotted). ``keep=K``: record it in the directory's manifest once complete and keep this run's K newest
         (see fabriclite.checkpoint.manifest)."""
         self._check_launched("save")
+        started = time.perf_counter()
         unwrapped = wrapping.unwrap(state, loaders=False)
         if keep is None:
             self._strategy.save_checkpoint(path, unwrapped, filter=filter)
         else:
             manifest.save_recorded(self._strategy, path, unwrapped, filter, keep)
+        record = rank_progress.progress()
+        events.checkpoint_saved(self.global_rank, path, started, record.steps if record is not None else None)
 
     def load(self, path: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
              strict: bool = True, *, weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -395,8 +407,11 @@ class Fabric:
         with a warning): its path, or None (see fabriclite.checkpoint.latest). Under ``fabriclite run
         --fault-tolerant`` a live peer's state comes first (fabriclite.training.live_recovery)."""
         self._check_launched("load_latest")
-        return live_recovery.load_latest(self._strategy, directory, state, strict,
-                                         lambda path: self.load(path, state, strict=strict, weights_only=weights_only))
+        started = time.perf_counter()
+        source = live_recovery.load_latest(self._strategy, directory, state, strict,
+                                           lambda path: self.load(path, state, strict=strict, weights_only=weights_only))
+        events.restored(self.global_rank, source, started)
+        return source
 
     def check_preempted(self) -> bool:
         """Whether the job was told it will be stopped (SIGTERM / SIGUSR1 on any rank): a collective, one small

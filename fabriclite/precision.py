@@ -152,6 +152,15 @@ class MixedPrecision(Precision):
     GradScaler for 16-mixed on cuda."""
 
     def __init__(self, precision: str, device: str, scaler: Optional["torch.amp.GradScaler"] = None) -> None:
+        if precision not in ("16-mixed", "bf16-mixed"):
+            # Lightning's exact message (lightning.fabric.plugins.precision.amp.MixedPrecision): aliases such as
+            # "16", 16 and "bf16" are the Fabric(precision=...) argument's, not this plugin's.
+            raise ValueError(
+                f"Passed `{type(self).__name__}(precision={precision!r})`."
+                " Precision must be '16-mixed' or 'bf16-mixed'."
+            )
+        if scaler is not None and precision == "bf16-mixed":
+            raise ValueError(f"`precision='bf16-mixed'` does not use a scaler, found {scaler}.")
         if precision == "16-mixed" and device == "cpu":
             warnings.warn("precision='16-mixed' is not supported on CPU; using 'bf16-mixed' instead.", stacklevel=2)
             precision = "bf16-mixed"

@@ -32,6 +32,8 @@ if not line:
     raise SystemExit(0)  # never needed: the supervisor closed our stdin
 job = json.loads(line)
 os.environ.update(job["env"])
+from fabriclite.supervision.rank_child import install_stack_handler
+install_stack_handler()  # the supervisor's stack handler (the sitecustomize bootstrap ran before the env came)
 sys.argv = job["argv"]
 sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
 sys.stdin.close()

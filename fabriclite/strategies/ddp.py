@@ -178,6 +178,8 @@ class DDPStrategy(ParallelStrategy):
             publish_store = self._store
         self._watch = CollectiveWatch(self._store, rank, world, self.timeout.total_seconds(), publish_store)
         self._watch.start()
+        if self._backend() == "nccl":
+            self._watch.mark_nccl()  # a hang's summary points at NCCL's flight recorder
 
     def _call(self, name: str, fn: Any, *args: Any, group: Any = None, **kwargs: Any) -> Any:
         """Run collective ``fn``; a timeout or lost peer raises CollectiveTimeout / PeerLost naming
@@ -187,9 +189,11 @@ class DDPStrategy(ParallelStrategy):
             return fn(*args, group=group, **kwargs)
         key, number = watch.enter(name, group, dist.get_process_group_ranks)
         try:
-            return fn(*args, group=group, **kwargs)
+            result = fn(*args, group=group, **kwargs)
         except RuntimeError as err:
             _failed(watch, name, key, number, err)
+        watch.finished(name, number)
+        return result
 
     def _call_async(self, name: str, fn: Any, *args: Any, group: Any = None, **kwargs: Any) -> Callable[[], None]:
         """Start collective ``fn`` (``async_op=True``); returns a function that waits for it, raising as
@@ -206,6 +210,8 @@ class DDPStrategy(ParallelStrategy):
                 work.wait()
             except RuntimeError as err:
                 _failed(watch, name, key, number, err)
+            if watch is not None:
+                watch.finished(name, number)
         return wait
 
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:

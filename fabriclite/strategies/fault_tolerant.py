@@ -41,6 +41,10 @@ class FaultTolerantStrategy(DDPStrategy):
     """One torchft replica group per node (see the module docstring). Runs only in ranks started by
     ``fabriclite run --fault-tolerant`` (``check_configuration`` raises ValueError elsewhere)."""
 
+    #: the optimizer's ``zero_grad`` (the step's quorum) and ``step`` (the commit vote) wait on the other groups:
+    #: the supervisor's hang and straggler watches count them as waits (supervision/rank_progress.py)
+    waits_in_optimizer = True
+
     name = "fault_tolerant"
 
     def __init__(self, **kwargs: Any) -> None:

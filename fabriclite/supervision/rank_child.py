@@ -136,8 +136,64 @@ def record_errors() -> None:
     def hook(exc_type: Type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
         try:
             write_error_file(path, exc, tb)
+            wait_for_stacks(path, exc)
         finally:
             previous(exc_type, exc, tb)
 
     hook._fabriclite = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+#: where this rank's stack dump goes (set per rank by the supervisor; read once, then removed from the environment
+#: so that the rank's own child processes do not register onto the same file)
+STACK_FILE_ENV = "FABRICLITE_STACK_FILE"
+#: the signal that makes a rank write every thread's Python stack to its stack file (faulthandler, in C: it works
+#: while the main thread is blocked inside a collective, and while the rank is still importing torch)
+STACK_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+_stack_file: Any = None
+
+
+def install_stack_handler() -> bool:
+    """Register faulthandler on :data:`STACK_SIGNAL` to this rank's stack file (``$FABRICLITE_STACK_FILE``), all
+    threads, not chained; creating the file says the handler is installed (the supervisor signals only then).
+    Runs in the rank's bootstrap before torch or the script is imported (``sitecustomize`` on the supervisor's
+    ``PYTHONPATH`` entry, see supervision/stacks.py). Returns whether a handler was installed."""
+    global _stack_file
+    import faulthandler
+
+    path = os.environ.pop(STACK_FILE_ENV, None)
+    if not path or _stack_file is not None:
+        return False
+    try:
+        _stack_file = open(f"{path}.{os.getpid()}.tmp", "w")
+        faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+        os.replace(_stack_file.name, path)  # the file appears only once the handler is in place
+    except (OSError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+#: how long a rank that reports a collective timeout waits for its supervisor to take the other ranks' stacks
+#: before it goes on exiting (its exit would break the others' collectives, and change what their stacks show)
+STACKS_WAIT_S = 20.0
+_TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+def is_timeout_error(exc: BaseException) -> bool:
+    """Whether ``exc`` reports a collective timeout (fabriclite's CollectiveTimeout, the backend's own)."""
+    return type(exc).__name__ == "CollectiveTimeout" or any(w in str(exc).lower() for w in _TIMEOUT_WORDS)
+
+
+def stacks_marker(error_file: str) -> str:
+    """The file the supervisor creates once it has taken the stacks after the error in ``error_file``."""
+    return f"{error_file}.stacks"
+
+
+def wait_for_stacks(error_file: str, exc: BaseException) -> None:
+    """After a collective timeout, stay (up to STACKS_WAIT_S) until the supervisor has taken the live ranks'
+    stacks, so that they show where the others were when this rank gave up (supervision/hang_watch.py)."""
+    if not is_timeout_error(exc) or is_secondary(exc) or SUPERVISOR_PID_ENV not in os.environ:
+        return
+    deadline = time.monotonic() + STACKS_WAIT_S
+    while not os.path.exists(stacks_marker(error_file)) and time.monotonic() < deadline:
+        time.sleep(0.02)

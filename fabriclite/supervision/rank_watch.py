@@ -15,6 +15,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from fabriclite.distributed import rendezvous
+from fabriclite.supervision import rank_progress
 from fabriclite.supervision.rank_child import PEER_LOST_MARKERS, SUPERVISOR_PID_ENV
 
 #: how often each rank publishes its counts (seconds)
@@ -75,6 +76,8 @@ class CollectiveWatch:
         self._publish_store = publish_store if publish_store is not None else store
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        #: the supervisor's view of this rank (collective entered / finished), or None
+        self._progress = rank_progress.progress()
 
     # ------------------------------------------------------------------ hot path
     def enter(self, name: str, group: Any, group_ranks: Any) -> Tuple[Tuple[int, ...], int]:
@@ -92,7 +95,19 @@ class CollectiveWatch:
                 key = self._keys[group] = tuple(group_ranks(group))
         number = self.counts[key] = self.counts.get(key, 0) + 1
         self.names[key] = name
+        if self._progress is not None:
+            self._progress.collective_entered(name, number)
         return key, number
+
+    def mark_nccl(self) -> None:
+        """Tell the supervisor this rank's process group is NCCL's."""
+        if self._progress is not None:
+            self._progress.set_flags(rank_progress.FLAG_NCCL)
+
+    def finished(self, name: str, number: int) -> None:
+        """Collective ``name`` #``number`` (from ``enter``) completed on this rank."""
+        if self._progress is not None:
+            self._progress.collective_finished(name, number)
 
     # ------------------------------------------------------------------ publishing
     def start(self) -> None:

@@ -34,6 +34,10 @@ from fabriclite.distributed import rendezvous
 from fabriclite.environments.fabriclite_env import child_env
 from fabriclite.supervision.rank_child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
 from fabriclite.supervision.failures import Failure, remote_is_root, root_cause, signal_name, summarize
+from fabriclite.supervision.goodput import JobRecord
+from fabriclite.supervision.hang_watch import HangWatch, is_hang
+from fabriclite.supervision.rank_progress import write_slowest
+from fabriclite.supervision.stragglers import StragglerWatch
 from fabriclite.supervision.output_forwarding import OutputOptions
 from fabriclite.supervision.lighthouse import Lighthouse, LiveOptions, wait_reachable
 from fabriclite.supervision.linger import leave
@@ -111,6 +115,15 @@ class Supervisor:
         self.preemption = Preemption(preempt)
         self.live = live
         self._lighthouse: Optional[Lighthouse] = None
+        #: ranks' progress records, the optimizer-step hang watch and live stacks (supervision/hang_watch.py)
+        self.hangs = HangWatch(layout.node_rank, layout.global_rank, timeout.total_seconds())
+        self.hangs.live = live is not None
+        self._dump_requested = False
+        #: the node's events record (supervision/events.py) and node 0's goodput line (supervision/goodput.py)
+        self.record = JobRecord(layout.node_rank, self.run_id, self.output.log_dir, layout.local_world_size)
+        #: ranks slower than the median, from their busy time (supervision/stragglers.py)
+        self.stragglers = StragglerWatch(layout.node_rank, layout.num_nodes,
+                                         lambda rank: rank // layout.local_world_size)
 
     # ------------------------------------------------------------------ the job's store
     def _open_store(self) -> None:
@@ -146,6 +159,9 @@ class Supervisor:
             rendezvous.ROUND_ENV: str(self.round), rendezvous.RUN_ID_ENV: self.run_id,
             MAX_RESTARTS_ENV: str(self.restarts.max_restarts), **self.preemption.options.child_env(),
         })
+        values.update(self.record.rank_env())
+        values.update(self.hangs.rank_env(self.round, local_rank,
+                                          self.extra_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))))
         return {**self.extra_env, **values}
 
     @property
@@ -180,7 +196,8 @@ class Supervisor:
 
         Raises RendezvousError (naming address and port) when the store cannot be hosted or joined;
         a signal while joining ends the wait at once (exit code 128 + signal)."""
-        self._tmpdir = tempfile.mkdtemp(prefix="fabriclite-")
+        self._tmpdir = self.hangs.tmpdir = tempfile.mkdtemp(prefix="fabriclite-")
+        self.record.job_start()
         restore = self._install_signal_handlers()
         try:
             code = self._open()
@@ -193,6 +210,9 @@ class Supervisor:
             code, line = self.preemption.finish(code, self.layout.node_rank)
             self.summary = "\n".join(s for s in (self.summary, line) if s)
             self._report(self.summary)
+            goodput = self.record.job_end(code, requeued=code == 0 and self.preemption.active)
+            if goodput and self.report:
+                print_summary(goodput)
             if self._lighthouse is not None:  # the other groups may still train: keep it up for them
                 self._lighthouse.linger(lambda: self._signal is not None)
             self._leave(failed=code != 0)
@@ -232,12 +252,17 @@ class Supervisor:
         self._workers, self._raised_at, self._finished = {}, {}, []
         if os.path.exists(self._stop_marker):
             os.unlink(self._stop_marker)
+        self.record.round_start(number, self.restarts.backoff(number - 1) if number else None)
+        self.stragglers.reset()
+        self._shown_slowest: Any = None
+        self.stragglers.store = self._store if self.layout.num_nodes > 1 else None
         for local_rank in range(self.layout.local_world_size):
             worker = self._workers[local_rank] = start(local_rank, self.child_env(local_rank))
             self._reaper.watch(worker.pid)  # each rank leads its own process group
         code = self._watch()
         self._stop_all()
         self.output.close()
+        self.record.round_end(code, self.hangs.records(list(self._workers)))
         return code
 
     def _report(self, text: str) -> None:
@@ -259,6 +284,14 @@ class Supervisor:
             if failures:
                 self._collect_more(running, failures)
                 return self._fail(failures)
+            if self._dump_requested:  # SIGQUIT: print the ranks' stacks, the job goes on
+                self._dump_requested = False
+                self._report(self._stacks("on request (SIGQUIT to the supervisor); the job goes on"))
+            hung = self.hangs.check({r: (w.pid, True) for r, w in running.items()})
+            self.record.watch(self.hangs.last_records)
+            self._stragglers()
+            if hung is not None:
+                return self._hung(hung)
             if self.layout.num_nodes > 1 and time.monotonic() >= next_remote:
                 next_remote = time.monotonic() + REMOTE_POLL_S
                 self._beat()
@@ -266,9 +299,25 @@ class Supervisor:
                 if remote is not None:
                     self.summary = (f"fabriclite: the job failed on {rendezvous.describe_failure(remote)}\n"
                                     f"  stopping the ranks of node {self.layout.node_rank}.")
+                    if remote.get("hang"):  # every node reports its own ranks' stacks
+                        self.summary += "\n" + self._stacks(f"node {remote.get('node')} reported a hang")
+                    self.record.failure(remote.get("rank"), str(remote.get("message", "")), 1, bool(remote.get("hang")))
                     return 1
             time.sleep(POLL_S)
         return 0
+
+    def _stragglers(self) -> None:
+        """Name new stragglers (node 0: one line each, an event) and show the slowest rank to the progress bar."""
+        found = self.stragglers.observe(self.hangs.last_records)
+        for s in found:
+            if self.report:
+                print_summary(s.line)
+            self.record.emit("straggler", rank=s.rank, node=s.node, slower=round(s.slower, 4), windows=s.windows)
+        if self.stragglers.slowest != self._shown_slowest:
+            self._shown_slowest = self.stragglers.slowest
+            rank, slower = self.stragglers.slowest or (-1, 0.0)
+            for local_rank in self._workers:
+                write_slowest(self.hangs.progress_file(local_rank), rank, slower)
 
     def _beat(self) -> None:
         """Tell node 0's supervisor this one is alive (it waits for live nodes before it leaves)."""
@@ -288,6 +337,8 @@ class Supervisor:
                 if local_rank not in self._raised_at:
                     if os.path.exists(self._error_file(local_rank)):
                         self._raised_at[local_rank] = now
+                        self.hangs.error_seen(local_rank, self._error_file(local_rank), self._live(),
+                                              list(self._raised_at))  # a collective timeout: stacks now
                     continue
                 if now - self._raised_at[local_rank] < RAISED_GRACE_S:
                     continue
@@ -321,10 +372,36 @@ class Supervisor:
                     if r not in failed and w.poll() is None]
         self.summary = summarize(failures, remote, self.layout.node_rank, stopping, self._finished)
         root = root_cause(failures)
+        hang = is_hang(root)
+        if hang:  # before any SIGTERM: where every live rank is, the stuck one among them
+            self.summary += "\n" + (self.hangs.taken or
+                                     self._stacks(f"rank {root.global_rank} reported a collective timeout", failed))
+        self.record.failure(root.global_rank, root.describe(), root.exit_code, hang)
+        if hang:
+            self.record.hang(root.error_line, self.hangs.taken or self.summary[self.summary.find("--- live stacks"):])
         if remote_is_root(remote, root, self.layout.node_rank):
             return 1
-        rendezvous.publish_failure(self._store, root.record())
+        rendezvous.publish_failure(self._store, {**root.record(), "hang": hang})
         return root.exit_code
+
+    def _live(self, failed: Set[int] = frozenset()) -> Dict[int, Any]:  # type: ignore[assignment]
+        return {r: (w.pid, w.poll() is None and r not in failed) for r, w in self._workers.items()}
+
+    def _stacks(self, why: str, failed: Set[int] = frozenset()) -> str:  # type: ignore[assignment]
+        """Every live rank's stacks (all threads; not those of ``failed`` local ranks: their tracebacks are in the
+        summary), with their progress (supervision/stacks.py)."""
+        return self.hangs.stacks(self._live(failed), why)
+
+    def _hung(self, reason: str) -> int:
+        """No rank here completed an optimizer step within the hang timeout: stacks, then stop as a failure."""
+        stacks = self._stacks("hung")
+        self.summary = f"fabriclite: the job is hung: {reason}.\n" + stacks
+        self.record.failure(None, reason, 1, True)
+        self.record.hang(reason, stacks)
+        rendezvous.publish_failure(self._store, {
+            "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
+            "hang": True, "message": f"the supervisor of node {self.layout.node_rank} found it hung: {reason}"})
+        return 1
 
     def _interrupted(self, signum: int) -> int:
         name = signal_name(signum)
@@ -377,10 +454,14 @@ class Supervisor:
     def _install_signal_handlers(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, *self.preemption.options.signals)}
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGQUIT, *self.preemption.options.signals)}
 
         def handler(signum: int, frame: Any) -> None:
+            if signum == signal.SIGQUIT:  # print the ranks' stacks (the watch loop takes them); the job goes on
+                self._dump_requested = True
+                return
             if not self._opening and self.preemption.notice(signum, self._workers):
+                self.record.preemption_notice(signum)
                 return  # the first SIGTERM / requeue signal: a grace period (see supervision/preemption.py)
             self._signal = signum
             if self._opening:  # waiting for node 0's store: stop waiting now

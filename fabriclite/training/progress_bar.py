@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator, Optional
 
+from fabriclite.supervision import rank_progress
+
 
 class NullBar:
     """What the other ranks get: iterates like the wrapped iterable; every bar method is a no-op."""
@@ -50,4 +52,38 @@ def progress_bar(iterable: Optional[Iterable[Any]] = None, *, enabled: bool = Tr
     except ImportError as err:
         raise ImportError("The progress bar needs tqdm: pip install 'fabriclite[progress]' (or pip install tqdm).") \
             from err
-    return tqdm(iterable, **kwargs)
+    record = rank_progress.progress()
+    if record is None:
+        return tqdm(iterable, **kwargs)
+    return _bar_class(tqdm)(iterable, _record=record, **kwargs)
+
+
+_bars: dict = {}
+
+
+def _bar_class(tqdm: Any) -> Any:
+    """tqdm showing the slowest rank (``slowest=rank 2 +35%``) while the supervisor names a straggler
+    (fabriclite.supervision.stragglers); one look at a shared-memory field per item."""
+    if tqdm not in _bars:
+        class StragglerBar(tqdm):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, _record: Any = None, **kwargs: Any) -> None:
+                self._record, self._shown = _record, None
+                super().__init__(*args, **kwargs)
+
+            def _show_slowest(self) -> None:
+                slowest = self._record.slowest() if self._record is not None else None
+                if slowest != self._shown:
+                    self._shown = slowest
+                    self.set_postfix(slowest=f"rank {slowest[0]} +{100 * slowest[1]:.0f}%" if slowest else "-")
+
+            def __iter__(self) -> Iterator[Any]:
+                for item in super().__iter__():
+                    self._show_slowest()
+                    yield item
+
+            def update(self, n: float = 1) -> Any:
+                self._show_slowest()
+                return super().update(n)
+
+        _bars[tqdm] = StragglerBar
+    return _bars[tqdm]

@@ -25,6 +25,7 @@ from fabriclite.checkpoint import elastic, loader_position
 from fabriclite.training import forward_methods
 from fabriclite.training.callbacks import call_hook
 from fabriclite.strategies.base import Strategy
+from fabriclite.supervision import rank_progress
 
 #: LightningModule-style step methods that go through the strategy's forward (like ``forward``)
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -137,14 +138,31 @@ class FabricOptimizer:
         """One optimizer step through the precision plugin; returns what the optimizer's step returns
         (the closure's loss when a closure is given)."""
         kwargs = {"closure": closure} if closure is not None else {}
-        output = self._strategy.optimizer_step(self._optimizer, **kwargs)
+        record = rank_progress.progress()  # the supervisor's view: steps (hangs, goodput) and busy time (stragglers)
+        waits = record is not None and getattr(self._strategy, "waits_in_optimizer", False)
+        if waits:
+            record.wait_started()  # type: ignore[union-attr]
+        try:
+            output = self._strategy.optimizer_step(self._optimizer, **kwargs)
+        finally:
+            if waits:
+                record.wait_ended()  # type: ignore[union-attr]
+        if record is not None and output is not False:  # False: --fault-tolerant's quorum did not commit it
+            record.step_done()
         if self._callbacks:
             call_hook(self._callbacks, "on_after_optimizer_step", strategy=self._strategy, optimizer=self._optimizer)
         return output
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> Any:
         """The optimizer's ``zero_grad`` with exactly the arguments given (its own defaults otherwise)."""
-        return self._optimizer.zero_grad(*args, **kwargs)
+        record = rank_progress.progress()
+        if record is None or not getattr(self._strategy, "waits_in_optimizer", False):
+            return self._optimizer.zero_grad(*args, **kwargs)
+        record.wait_started()  # --fault-tolerant: zero_grad starts the step's quorum
+        try:
+            return self._optimizer.zero_grad(*args, **kwargs)
+        finally:
+            record.wait_ended()
 
     def state_dict(self) -> Dict[str, Any]:
         return self._strategy.get_optimizer_state(self._optimizer)

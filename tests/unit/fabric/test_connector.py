@@ -155,3 +155,22 @@ def test_import_is_light():
             "'lightning_fabric', 'tensorboard', 'tqdm', 'rich', 'mpi4py')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("value", ["16", 16, "bf16", "32", "16-true", "bf16-true"])
+def test_mixed_precision_rejects_what_lightning_rejects(value):
+    from lightning.fabric.plugins.precision.amp import MixedPrecision as LightningMixedPrecision
+
+    with pytest.raises(ValueError) as lightning_error:
+        LightningMixedPrecision(value, "cpu")
+    with pytest.raises(ValueError) as ours:
+        MixedPrecision(value, "cpu")
+    assert str(ours.value) == str(lightning_error.value)
+    assert f"precision={value!r}" in str(ours.value) and "'16-mixed' or 'bf16-mixed'" in str(ours.value)
+
+
+def test_mixed_precision_bf16_with_a_scaler_is_rejected_as_lightning():
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ValueError, match=r"`precision='bf16-mixed'` does not use a scaler, found"):
+        MixedPrecision("bf16-mixed", "cpu", scaler=scaler)
+    assert MixedPrecision("bf16-mixed", "cpu").dtype == torch.bfloat16

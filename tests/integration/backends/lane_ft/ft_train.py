@@ -15,7 +15,8 @@ a loaded machine, and all end at the same step. At the
 end it writes its weights to ``OUT/final-<group>.pt``. ``FT_KILL_GROUP`` / ``FT_KILL_STEP`` /
 ``FT_KILL_WHERE`` (``between``: after a committed step; ``allreduce``: after the forward, while the others wait
 in the gradient all-reduce) SIGKILL that group's rank at the first step >= FT_KILL_STEP of its first incarnation
-(``FT_KILL_ROUNDS``: of its first N).
+(``FT_KILL_ROUNDS``: of its first N). ``FT_HANG_GROUP`` / ``FT_HANG_STEP``: that group's rank sleeps for good
+(user code, no collective) after that step, in its first incarnation.
 """
 import time
 
@@ -69,6 +70,15 @@ log.write(f"process {fabric.restart_count} {STARTED:.4f}\n")
 dies = group in kill_groups and fabric.restart_count < kill_rounds
 
 
+hang_group = int(os.environ.get("FT_HANG_GROUP", "-1"))
+hang_step = int(os.environ.get("FT_HANG_STEP", "-1"))
+
+
+def hang() -> None:
+    if group == hang_group and fabric.restart_count == 0 and state["step"] >= hang_step:
+        time.sleep(10_000)  # FT-HANG: this group's rank is stuck in user code; its supervisor finds it hung
+
+
 def die(where: str) -> None:
     if dies and kill_where == where and state["step"] >= kill_step:
         if where == "allreduce":
@@ -93,6 +103,7 @@ while not (state["step"] >= steps and done > 0 and all_back()):
             log.write(f"saved {state['step']} {time.time():.4f}\n")
     log.write(f"{state['step']} {time.time():.4f} {int(bool(committed))}\n")
     die("between")
+    hang()
     time.sleep(pace)
 
 torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"final-{group}.pt"))

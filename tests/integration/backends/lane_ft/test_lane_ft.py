@@ -189,3 +189,28 @@ def test_saves_never_wait_for_a_dead_group_and_a_relaunch_reads_the_disk(tmp_pat
     assert from_disk, starts
     assert all(s[1] >= first[0] and (g in from_disk or s[3] == "<live peer>") for g, s in starts.items()), starts
     assert_same_end(tmp_path, steps=first[0] + 20)
+
+
+@pytest.mark.slow
+def test_a_hung_group_is_found_by_its_supervisor_with_its_stack_and_heals(tmp_path: Path) -> None:
+    # group 2's rank sleeps in user code after step 30; its supervisor's step watch (3 s) finds it hung while the
+    # others wait on it, takes its stack, and restarts it as a failed group; it heals from a live peer
+    nodes = run_job(tmp_path, {"FT_HANG_GROUP": "2", "FT_HANG_STEP": "30", "FT_WAIT_BACK": "2",
+                               "FABRICLITE_HANG_TIMEOUT": "3"}, ["--max-restarts", "1"])
+    assert_all_ok(nodes)
+    out = nodes[2].output
+    # each group is a job of its own (its one node is "node 0" inside it): the header names the group
+    assert "fabriclite: replica group 2 of 3 (--fault-tolerant):\nfabriclite: the job is hung: no rank of node 0 " \
+           "completed an optimizer step for" in out, out[-4000:]
+    assert "--- live stacks of node 0's ranks (hung; all threads;" in out, out[-4000:]
+    line = next(i + 1 for i, text in enumerate((Path(__file__).parent / "ft_train.py").read_text().splitlines())
+                if "FT-HANG" in text)
+    assert f'ft_train.py", line {line}, in ' in out, out[-4000:]  # the stuck frame, taken while alive
+    assert "1 of 1 restarts used" in out, out[-3000:]
+    for node in nodes[:2]:
+        assert "the job is hung" not in node.output and "restarting" not in node.output, node.output[-3000:]
+    restart = [s for s in StepLog.read(tmp_path, 2).starts if s[0] >= 1]
+    assert restart and restart[0][3] == "<live peer>", restart
+    assert_same_end(tmp_path)
+    goodput = [line for line in out.splitlines() if line.startswith("fabriclite: goodput")]
+    assert goodput and "redone steps 0.0 s (0 steps)" in goodput[-1], goodput  # healed: nothing redone

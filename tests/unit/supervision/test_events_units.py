@@ -1,0 +1,82 @@
+"""The events record and goodput's arithmetic, in-process: appending, the switch, the run id, and each badput part
+measured from its own events across two launches of one run (a requeue)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fabriclite.supervision import events, goodput
+
+
+def test_events_append_one_json_line_each_with_schema_and_run(tmp_path, monkeypatch):
+    path = str(tmp_path / "logs" / "events-node1.jsonl")
+    log = events.EventLog(path, "run7", 1)
+    log.emit("job_start", launch=0)
+    events.EventLog(path, "run7", 1).emit("job_end", exit_code=0)  # a second writer appends
+    lines = [json.loads(line) for line in open(path)]
+    assert [(e["schema"], e["run"], e["node"], e["event"]) for e in lines] == [
+        ("fabriclite.events/1", "run7", 1, "job_start"), ("fabriclite.events/1", "run7", 1, "job_end")]
+    assert events.read(path, "other") == []
+    monkeypatch.setenv("FABRICLITE_LOG_DIR", str(tmp_path / "d"))
+    assert events.events_path(3) == str(tmp_path / "d" / "events-node3.jsonl")
+    monkeypatch.delenv("FABRICLITE_LOG_DIR")
+    assert events.events_path(0) == "fabriclite_logs/events-node0.jsonl"
+    monkeypatch.setenv("FABRICLITE_EVENTS", "0")
+    assert events.for_supervisor(0, "r", None) is None and goodput.JobRecord(0, "r", None, 2).rank_env() == {}
+
+
+def _e(t, event, **fields):
+    return {"schema": events.SCHEMA, "run": "r", "node": 0, "time": t, "event": event, **fields}
+
+
+def test_goodput_parts_across_a_restart_and_a_requeue():
+    records = [
+        # launch 0: round 0 fails 3 s after its checkpoint; round 1 is preempted
+        _e(0, "job_start"), _e(1, "round_start", round=0), _e(5, "ranks_up", round=0, first_step=4),
+        _e(10, "checkpoint", round=0, blocked=2.0, step=5), _e(13, "failure", round=0),
+        _e(13.5, "round_end", round=0, exit_code=137, steps=9, last_step=13),
+        _e(16, "restart", round=1, backoff=2), _e(16, "round_start", round=1),
+        _e(18, "ranks_up", round=1, first_step=18), _e(25, "preemption_notice", signal=10),
+        _e(27, "round_end", round=1, exit_code=0, steps=8, last_step=26), _e(28, "job_end", exit_code=75),
+        # launch 1 (a requeue, appended): one clean round
+        _e(100, "job_start"), _e(101, "round_start", round=0), _e(103, "ranks_up", round=0, first_step=103),
+        _e(110, "round_end", round=0, exit_code=0, steps=8, last_step=109), _e(111, "job_end", exit_code=0),
+    ]
+    g = goodput.measure(records)
+    assert g.wall == pytest.approx(28 + 11)
+    assert g.badput["startup"] == pytest.approx((1 + 3) + 2 + (1 + 2))  # to round_start, then to the first step
+    assert g.badput["restart"] == pytest.approx(3)  # failure (13) to the next round_start (16)
+    assert g.badput["redone"] == pytest.approx(3) and g.redone_steps == 4  # checkpoint (10) to last step (13)
+    assert g.badput["checkpoint"] == pytest.approx(2)
+    assert g.badput["preemption"] == pytest.approx(2)  # notice (25) to its round's end (27)
+    # steps that counted: round 0 (4..13, less 2 s stall, less 3 s redone), round 1 (18..26), launch 1 (103..109)
+    assert g.good == pytest.approx((9 - 2 - 3) + 8 + 6)
+    assert g.other == pytest.approx(39 - 18 - (9 + 3 + 3 + 2 + 2))
+    line = g.line("f.jsonl")
+    assert line.startswith("fabriclite: goodput 46.2% (18.0 s of 39.0 s in steps that counted); badput: start-up "
+                           "9.0 s, restart 3.0 s, redone steps 3.0 s (4 steps), checkpoint stalls 2.0 s, preemption "
+                           "2.0 s, other 2.0 s (events: f.jsonl)"), line
+
+
+def test_a_straggler_is_named_once_after_enough_windows_in_a_row(monkeypatch):
+    from fabriclite.supervision.stragglers import StragglerWatch
+
+    monkeypatch.setenv("FABRICLITE_STRAGGLER_WINDOW", "4")
+    monkeypatch.setenv("FABRICLITE_STRAGGLER_WINDOWS", "2")
+    watch = StragglerWatch(0, 1, lambda rank: rank // 2)
+    assert watch.threshold == 0.25
+    slow = {0: 0.010, 1: 0.011, 2: 0.010, 3: 0.020}  # rank 3: +90% over the median 0.0105
+    assert watch.judge(slow) == []  # one window is not enough
+    named = watch.judge(slow)
+    assert [(s.rank, s.node, round(s.slower, 2), s.windows) for s in named] == [(3, 1, 0.9, 2)]
+    assert named[0].line.startswith("fabriclite: straggler: rank 3 (node 1) is 90% slower than the median rank")
+    assert watch.judge(slow) == [] and watch.slowest[0] == 3  # named once
+    assert watch.judge({0: 0.010, 1: 0.011, 2: 0.010, 3: 0.011}) == [] and watch.slowest is None  # caught up
+    # the records' way in: busy time per step since the previous window's end
+    records = {r: {"steps": 4, "busy_ns": int(4 * b * 1e9)} for r, b in slow.items()}
+    watch.reset()
+    assert watch.observe(records) == [] and watch.observe(records) == []  # window 1 once, then nothing new
+    monkeypatch.setenv("FABRICLITE_STRAGGLER_THRESHOLD", "-1")
+    with pytest.raises(ValueError, match=r"\$FABRICLITE_STRAGGLER_THRESHOLD='-1' is not valid: expected a fraction"):
+        StragglerWatch(0, 1, lambda rank: 0)
