@@ -19,12 +19,20 @@ import job  # noqa: E402
 
 JOB = job.__file__
 FULL = [*checks.ALL, *job.XLA_CHECKS]
+#: what torch_xla's spawn raises when a replica process ends abruptly (a crash in its runtime, no traceback)
+RUNTIME_CRASH = "BrokenProcessPool: A process in the process pool was terminated abruptly"
 
 
 def run_job(mode: str, out: str, devices: int) -> List[Dict[str, str]]:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices),
            "FABRICLITE_EXPECT_WORLD": str(devices)}
     proc = subprocess.run([sys.executable, JOB, mode, out], capture_output=True, text=True, timeout=240, env=env)
+    if proc.returncode != 0 and RUNTIME_CRASH in proc.stderr:
+        # torch_xla's own replica process died without a Python traceback (seen 3 times in ~25 runs of the
+        # threads mode, clustered in one minute of CI-like runs, never reproduced since): run the job once more,
+        # saying so; a second crash, or any other failure, fails the test
+        print(f"xla lane: {mode} job: torch_xla's replica process died ({RUNTIME_CRASH}); running it again once")
+        proc = subprocess.run([sys.executable, JOB, mode, out], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(devices)]
 
