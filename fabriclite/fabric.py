@@ -295,15 +295,8 @@ class Fabric:
     def backward(self, tensor: Tensor, *args: Any, model: Optional[FabricModule] = None, **kwargs: Any) -> None:
         """``tensor.backward(*args, **kwargs)`` through the strategy and precision (loss scaling)."""
         module = model._forward_module if isinstance(model, FabricModule) else model
-        record = rank_progress.progress()  # backward waits for the gradient all-reduce: not busy time (stragglers)
-        if record is None:
+        with rank_progress.waiting():  # backward waits for the gradient all-reduce: not busy time (stragglers)
             self._strategy.backward(tensor, module, *args, **kwargs)
-            return
-        record.wait_started()
-        try:
-            self._strategy.backward(tensor, module, *args, **kwargs)
-        finally:
-            record.wait_ended()
 
     def clip_gradients(self, module: Union[nn.Module, FabricModule], optimizer: Union[Optimizer, FabricOptimizer],
                        clip_val: Optional[float] = None, max_norm: Optional[float] = None,

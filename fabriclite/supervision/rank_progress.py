@@ -12,11 +12,12 @@ A step is one call of the optimizer wrapper's ``step`` (``FabricOptimizer.step``
 from __future__ import annotations
 
 import atexit
+import contextlib
 import mmap
 import os
 import struct
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, ContextManager, Dict, Optional, Tuple
 
 PROGRESS_FILE_ENV = "FABRICLITE_PROGRESS_FILE"
 #: layout version (the first field), bumped when the fields change
@@ -91,6 +92,14 @@ class RankProgress:
             self._waits_ns += time.perf_counter_ns() - self._wait_start
             _pack_d(self._map, _SINCE, 0.0)
 
+    def __enter__(self) -> "RankProgress":
+        """``with record:`` brackets a wait on the other ranks (wait_started / wait_ended)."""
+        self.wait_started()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.wait_ended()
+
     def collective_entered(self, name: str, number: int) -> None:
         """This rank entered collective ``name`` #``number`` (the collective watch's count)."""
         self._entered = number
@@ -135,6 +144,16 @@ def progress() -> Optional[RankProgress]:
             except (OSError, ValueError):
                 _progress = None
     return _progress
+
+
+_NOT_RECORDED = contextlib.nullcontext()
+
+
+def waiting(enabled: bool = True) -> ContextManager[Any]:
+    """A ``with`` block that counts as a wait on the other ranks in this rank's record (not busy time, for the
+    stragglers; the hang watch sees where it waits); nothing where no supervisor gave a record or not ``enabled``."""
+    record = progress() if enabled else None
+    return record if record is not None else _NOT_RECORDED
 
 
 def create(path: str) -> None:

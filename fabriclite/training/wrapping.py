@@ -138,15 +138,10 @@ class FabricOptimizer:
         """One optimizer step through the precision plugin; returns what the optimizer's step returns
         (the closure's loss when a closure is given)."""
         kwargs = {"closure": closure} if closure is not None else {}
-        record = rank_progress.progress()  # the supervisor's view: steps (hangs, goodput) and busy time (stragglers)
-        waits = record is not None and getattr(self._strategy, "waits_in_optimizer", False)
-        if waits:
-            record.wait_started()  # type: ignore[union-attr]
-        try:
+        # the supervisor's view: steps (hangs, goodput) and busy time (stragglers); --fault-tolerant's step waits
+        with rank_progress.waiting(getattr(self._strategy, "waits_in_optimizer", False)):
             output = self._strategy.optimizer_step(self._optimizer, **kwargs)
-        finally:
-            if waits:
-                record.wait_ended()  # type: ignore[union-attr]
+        record = rank_progress.progress()
         if record is not None and output is not False:  # False: --fault-tolerant's quorum did not commit it
             record.step_done()
         if self._callbacks:
@@ -155,14 +150,9 @@ class FabricOptimizer:
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> Any:
         """The optimizer's ``zero_grad`` with exactly the arguments given (its own defaults otherwise)."""
-        record = rank_progress.progress()
-        if record is None or not getattr(self._strategy, "waits_in_optimizer", False):
+        # --fault-tolerant: zero_grad starts the step's quorum, a wait on the other groups
+        with rank_progress.waiting(getattr(self._strategy, "waits_in_optimizer", False)):
             return self._optimizer.zero_grad(*args, **kwargs)
-        record.wait_started()  # --fault-tolerant: zero_grad starts the step's quorum
-        try:
-            return self._optimizer.zero_grad(*args, **kwargs)
-        finally:
-            record.wait_ended()
 
     def state_dict(self) -> Dict[str, Any]:
         return self._strategy.get_optimizer_state(self._optimizer)
