@@ -125,9 +125,9 @@ def _impls(op: str, make: Callable[[], Any], numel: int, fabric: Any, lfabric: A
     return {name: impls[name] for name in names}
 
 
-def _call_counts(impls: Dict[str, Callable[[], Any]], calls: int, budget: float) -> Dict[str, int]:
+def _call_counts(impls: Dict[str, Callable[[], Any]], calls: int, budget: float, device: Any) -> Dict[str, int]:
     """Warm every implementation up; agree (max over ranks) on a per-call estimate; give the baselines as many
-    calls as fit in ``budget``."""
+    calls as fit in ``budget``. The estimates travel on ``device`` (NCCL has no CPU tensors)."""
     import torch
     import torch.distributed as dist
 
@@ -137,7 +137,7 @@ def _call_counts(impls: Dict[str, Callable[[], Any]], calls: int, budget: float)
         return time.perf_counter() - t0
 
     # every rank must make the same calls: how many warm-up calls follows from times agreed over the ranks
-    agreed = torch.tensor([timed(fn) for fn in impls.values()], dtype=torch.float64)
+    agreed = torch.tensor([timed(fn) for fn in impls.values()], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     for k, (fn, first) in enumerate(zip(impls.values(), agreed.tolist())):
         if first < 0.2:
@@ -241,7 +241,7 @@ def worker(args: argparse.Namespace) -> None:
             slow_max = BIG if numel == BIG else args.baselines_up_to
             impls = _impls(op, make, numel, fabric, lfabric, args, not args.no_baselines, slow_max, device)
             calls = args.big_calls if numel == BIG else args.calls
-            counts = _call_counts(impls, calls, args.budget)
+            counts = _call_counts(impls, calls, args.budget, device)
             drop = _measure_drop(impls, counts, device)
             keep = _measure_keep(impls, calls, args.big_keep_window if numel == BIG else args.keep_window, device)
             results[key] = {regime: {name: {"median": statistics.median(t), "calls": len(t)}
