@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from fabriclite import collectives
 from fabriclite.accelerators import Accelerator
-from fabriclite.checkpoint import elastic, latest, manifest, resume_state
+from fabriclite.checkpoint import elastic, manifest, resume_state
 from fabriclite.checkpoint.resume_state import ResumeState
 from fabriclite.checkpoint.saving import load_raw
 from fabriclite.compat import lightning_module, run_method, user_warnings
