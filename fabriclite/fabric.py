@@ -27,7 +27,7 @@ from fabriclite.supervision import events, rank_progress, rank_signals
 from fabriclite.supervision.output_forwarding import line_buffer_stdio
 from fabriclite.supervision.rank_child import ERROR_FILE_ENV, exit_on_error, record_errors
 from fabriclite.supervision.restarts import agree_restart_count, restart_count
-from fabriclite.training import live_recovery, wrapping
+from fabriclite.training import live_recovery, module_setup, wrapping
 from fabriclite.training.callbacks import as_callback_list, call_hook
 from fabriclite.training.dataloaders import gather_eval as _gather_eval
 from fabriclite.training.dataloaders import setup_dataloader as _setup_dataloader
@@ -255,9 +255,9 @@ class Fabric:
     # ------------------------------------------------------------------ training set-up
     def setup(self, module: nn.Module, *optimizers: Optimizer, scheduler: Optional[Any] = None,
               move_to_device: bool = True, _reapply_compile: bool = True) -> Any:
-        """The wrapped module, or ``(module, *optimizers[, scheduler])`` (see fabriclite.training.wrapping.setup_module)."""
+        """The wrapped module, or ``(module, *optimizers[, scheduler])`` (see fabriclite.training.module_setup.setup_module)."""
         self._check_launched("setup")
-        wrapped, opts, scheduler = wrapping.setup_module(self._strategy, module, optimizers, move_to_device,
+        wrapped, opts, scheduler = module_setup.setup_module(self._strategy, module, optimizers, move_to_device,
                                                          self._callbacks, scheduler, _reapply_compile)
         lightning_module.attach(self, wrapped.module, self._callbacks, opts)
         self.call("on_after_setup", fabric=self, module=wrapped)
@@ -269,7 +269,7 @@ class Fabric:
                      _reapply_compile: bool = True) -> FabricModule:
         """``module`` wrapped for the strategy and precision, without optimizers."""
         self._check_launched("setup_module")
-        wrapped, _, _ = wrapping.setup_module(self._strategy, module, (), move_to_device, self._callbacks,
+        wrapped, _, _ = module_setup.setup_module(self._strategy, module, (), move_to_device, self._callbacks,
                                               reapply_compile=_reapply_compile)
         lightning_module.attach(self, wrapped.module, self._callbacks)
         self.call("on_after_setup", fabric=self, module=wrapped)
@@ -278,7 +278,7 @@ class Fabric:
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
         """The wrapped optimizer, or a tuple of them for several."""
         self._check_launched("setup_optimizers")
-        wrapped = wrapping.setup_optimizers(self._strategy, optimizers, self._callbacks)
+        wrapped = module_setup.setup_optimizers(self._strategy, optimizers, self._callbacks)
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
     def setup_dataloaders(self, *dataloaders: DataLoader, use_distributed_sampler: bool = True,
