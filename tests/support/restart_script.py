@@ -14,7 +14,8 @@ weights to $OUT. Faults are injected from here, at a given step, never by timing
                       that step's checkpoint (round 0; STRATEGY=fsdp)
 - WAIT_SPARES=step:rank   after that step (round 0), that rank waits until its supervisor's warm spares
                       (launchers/warm_spare.py) are all waiting with their imports done, then prints
-                      "SPARES READY pids=<pid,pid> t=<unix time>" (before KILL_AT / WAIT_AT act at that step)
+                      "SPARES READY pids=<pid,pid> t=<unix time> rss_kb=<n> pss_kb=<n>" (the first spare's memory,
+                      /proc/PID/smaps_rollup), before KILL_AT / WAIT_AT act at that step
 
 PHASES=1 prints "PHASE <name> rank=<r> t=<unix time> pid=<pid>" on every rank at: the process's start (from /proc), its
 imports done, launch() done, setup done, load_latest done and its first optimizer step done ("stepped")
@@ -130,7 +131,9 @@ def main() -> None:
             step += 1
             if wait_spares and first_round and (step, fabric.global_rank) == wait_spares:
                 pids = _wait_for_spares(int(os.environ.get("FABRICLITE_LOCAL_WORLD_SIZE", "2")))
-                print(f"SPARES READY pids={','.join(map(str, pids))} t={time.time()}", flush=True)
+                rss, pss = memory_kb(pids[0]) if pids else (0, 0)
+                print(f"SPARES READY pids={','.join(map(str, pids))} t={time.time()} rss_kb={rss} pss_kb={pss}",
+                      flush=True)
             if kill_at and first_round and step == kill_at[0] and fabric.global_rank == kill_at[1]:
                 print(f"KILLED t={time.time()}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -198,6 +201,13 @@ def spare_pids(supervisor):
         except OSError:
             pass
     return ready
+
+
+def memory_kb(pid):
+    """(RSS, PSS) of ``pid`` in kB (Linux /proc/PID/smaps_rollup)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        fields = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[-1:] == ["kB"]}
+    return fields["Rss"], fields["Pss"]
 
 
 def _wait_for_spares(count):
