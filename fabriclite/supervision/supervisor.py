@@ -253,6 +253,7 @@ class Supervisor:
         self.stragglers.reset()
         self._shown_slowest: Any = None
         self.stragglers.store = self._store if self.layout.num_nodes > 1 else None
+        self.hangs.last_records = {}  # the last round's (read until the next check): not this round's progress
         self.ranks.start(start, self.child_env, self._reaper)
         code = self._watch()
         self._stop_all()
