@@ -11,13 +11,17 @@ Live recovery (`fabriclite run --fault-tolerant`, torchft 0.2.0), 3 local nodes 
   its new process's start to its first committed step after healing, and from the kill to that step;
 - the stop-the-world path on the same job (plain ddp, `--max-restarts 1`): the kill to the new round's first step.
 
-Stop-the-world restarts, 2 CPU ranks (tests/support/restart_script.py, --max-restarts 1, 1 s backoff): a rank
-SIGKILLed mid-epoch to the new round's ranks having loaded the latest checkpoint; check_preempted() and
-resume_state() costs.
+check_preempted() / barrier() / resume_state() costs, 2 CPU ranks.
 
     $(bash scripts/backend_env.sh ft --path)/bin/python benchmarks/fault_tolerance.py [--repeats 1]
 
 (run it with the ft lane's interpreter: the live-recovery parts need torchft)
+
+`--part restart`: the stop-the-world restart, 2 CPU ranks, `fabriclite run --max-restarts 1` against torchrun's
+`--max-restarts` restart of the same job in the same run (benchmarks/restart_timing.py; any interpreter, no torchft),
+written to benchmarks/results/fault_tolerance_restart.md:
+
+    python benchmarks/fault_tolerance.py --part restart [--repeats 3]
 """
 from __future__ import annotations
 
@@ -28,8 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -122,64 +124,6 @@ def run_2ranks(args: List[str], env: Dict[str, str]) -> subprocess.CompletedProc
                            *args], env=full, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
-def children(pid: int) -> List[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(c) for c in f.read().split()]
-    except OSError:
-        return []
-
-
-def restart_2ranks() -> Dict[str, float]:
-    """A rank SIGKILLed at step 13 of tests/support/restart_script.py (2 ranks, --max-restarts 1, 1 s backoff):
-    when each part of the stop-the-world restart ended, in seconds after the kill. The supervisor's children
-    are polled every 5 ms (the surviving rank's exit, the new ranks' start), its stderr lines are stamped as
-    they arrive (the restart notice), and the ranks print PHASE stamps (tests/support/restart_script.py)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PHASES": "1",
-               "CKPT_DIR": os.path.join(tmp, "ckpt"), "OUT": os.path.join(tmp, "w.pt"), "KILL_AT": "13:1"}
-        proc = subprocess.Popen([sys.executable, "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices",
-                                 "2", "--max-restarts", "1", str(ROOT / "tests" / "support" / "restart_script.py")],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-        lines: List[Tuple[float, str]] = []
-
-        def read(stream) -> None:
-            for line in stream:
-                lines.append((time.time(), line))
-
-        readers = [threading.Thread(target=read, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)]
-        for r in readers:
-            r.start()
-        seen: List[Tuple[float, List[int]]] = []
-        while proc.poll() is None:
-            seen.append((time.time(), children(proc.pid)))
-            time.sleep(0.005)
-        for r in readers:
-            r.join()
-        text = "".join(line for _, line in lines)
-        assert proc.returncode == 0, text[-3000:]
-    killed = float(re.search(r"KILLED t=([\d.]+)", text).group(1))
-    notice = next(t for t, line in lines if "restarting every rank in" in line)
-    before = next(kids for t, kids in seen if t >= killed)  # round 0's ranks and the reaper, which stays
-    stays = set.intersection(*(set(kids) for t, kids in seen if t >= killed and kids))
-    round0 = set(before) - stays
-    stopped = next(t for t, kids in seen if t > killed and not round0 & set(kids))
-    spawned = next(t for t, kids in seen if t > stopped and set(kids) - set(before))
-    stamps: Dict[str, List[float]] = {}
-    for name, rank, t in re.findall(r"PHASE (\w+) rank=(\d+) t=([\d.]+)", text):
-        if float(t) > killed - 0.001 or name == "start" and float(t) > stopped - 0.02:
-            stamps.setdefault(name, []).append(float(t))
-    out = {"round 0's other rank has exited (failure seen, rank stopped)": stopped,
-           "the supervisor announces the restart": notice,
-           "round 1's rank processes exist (the 1 s backoff)": spawned}
-    for name, what in (("imported", "their imports (python, torch, fabriclite, the script) are done"),
-                       ("launched", "launch() returned on every rank (rendezvous, process group)"),
-                       ("set_up", "setup() of model, optimizer and loader is done"),
-                       ("resumed", "load_latest() has loaded the latest checkpoint on every rank")):
-        out[what] = max(stamps[name])
-    return {k: v - killed for k, v in out.items()}
-
-
 def by_hand(env: Dict[str, str], steps: int) -> float:
     """torchft by hand (BY_HAND) on 3 local groups with its lighthouse: group 0's steps/s after 20 warm-up steps."""
     from fabriclite.supervision import lighthouse as lh
@@ -216,22 +160,6 @@ def floor_ratio(rate: float, floor_rate: float) -> str:
     """fabriclite's steps/s over the floor's as "0.96x"; "check the floor" where fabriclite came out faster (a
     floor that is beaten is not one: the measurement needs a look, not the code)."""
     return "check the floor" if rate > floor_rate else f"{rate / floor_rate:.2f}x"
-
-
-RESUMED = "load_latest() has loaded the latest checkpoint on every rank"
-
-
-def breakdown_table(parts: List[Dict[str, float]]) -> str:
-    """The stop-the-world restart's parts: medians over the repeats of the time since the kill and of each part."""
-    lines = [f"Stop-the-world restart, 2 ranks, where the time goes (median of {len(parts)}; seconds after the "
-             "kill, and the part's own length):", "", "| the kill -> | at | part |", "|---|---|---|"]
-    previous = [0.0] * len(parts)
-    for key in parts[0]:
-        at = [p[key] for p in parts]
-        lines.append(f"| {key} | {statistics.median(at):.2f} s | "
-                     f"{statistics.median([a - b for a, b in zip(at, previous)]):.2f} s |")
-        previous = at
-    return "\n".join(lines)
 
 
 def job(out: Path, fault_tolerant: bool, env: Dict[str, str], args: List[str] = (), steps: int = STEPS
@@ -273,12 +201,16 @@ def stop_the_world(logs: List[StepLog], killed: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=1, help="repeats of each job (medians are reported)")
-    parser.add_argument("--restart-only", action="store_true",
-                        help="only the 2-rank stop-the-world breakdown, printed (no results file; no torchft needed)")
-    args = parser.parse_args()
-    if args.restart_only:
-        parts = [restart_2ranks() for _ in range(args.repeats)]
-        print(breakdown_table(parts))
+    parser.add_argument("--part", choices=("all", "restart"), default="all",
+                        help="restart: only the 2-rank stop-the-world restart against torchrun's, written to "
+                             "results/fault_tolerance_restart.md (benchmarks/restart_timing.py; no torchft needed)")
+    args, rest = parser.parse_known_args()
+    if rest and args.part != "restart":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.part == "restart":
+        import restart_timing
+
+        restart_timing.main(rest + ["--repeats", str(max(args.repeats, 3))])
         return
     try:
         import torchft  # noqa: F401
@@ -286,7 +218,7 @@ def main() -> None:
         raise SystemExit("run this with the ft lane's interpreter: $(bash scripts/backend_env.sh ft --path)/bin/python "
                          "benchmarks/fault_tolerance.py") from None
     results = Results("fault_tolerance")
-    ft_rate, ddp_rate, gaps, heal, kill_to_step, stw, restart2 = [], [], [], [], [], [], []
+    ft_rate, ddp_rate, gaps, heal, kill_to_step, stw = [], [], [], [], [], []
     big_ft, big_ddp, hand, big_hand = [], [], [], []
     kill = {"FT_KILL_GROUP": "2", "FT_KILL_STEP": str(KILL_STEP), "FABRICLITE_RESTART_BACKOFF": "0.05"}
     for _ in range(args.repeats):
@@ -301,7 +233,6 @@ def main() -> None:
             gaps.append(gap), heal.append(to_step), kill_to_step.append(from_kill)
             stw.append(stop_the_world(job(Path(tmp) / "ddpkill", False, {**kill, "FT_WAIT_BACK": ""},
                                           ["--max-restarts", "1"]), 2))
-        restart2.append(restart_2ranks())
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "costs.py")
         with open(script, "w") as f:
@@ -329,17 +260,18 @@ def main() -> None:
          f"{med(kill_to_step):.2f} s"),
         ("stop-the-world on the same 3 x 1 job (plain ddp, `--max-restarts 1`, 0.05 s backoff): the kill -> the "
          "new round's first step", f"{med(stw):.2f} s"),
-        ("stop-the-world, 2 ranks, 1 s backoff: a rank SIGKILLed -> the new round has loaded the latest checkpoint "
-         "(parts below)", f"{med([p[RESUMED] for p in restart2]):.2f} s"),
         ("`check_preempted()` / `barrier()` / `resume_state()` per call, 2 ranks", costs.split(" ", 1)[1]),
     ]
     body = "\n".join(["| What | Measured |", "|---|---|", *[f"| {a} | {b} |" for a, b in rows]])
-    body += "\n\n" + breakdown_table(restart2)
+    body += "\n\nThe 2-rank stop-the-world restart against torchrun's: results/fault_tolerance_restart.md (--part restart)."
     results.write(body, extra=[("interpreter", "the ft lane's: `$(bash scripts/backend_env.sh ft --path)/bin/python`"),
                                ("torchft", "0.2.0"),
                                ("jobs", f"{args.repeats} repeat(s) of each job, medians; {STEPS} steps per job "
                                         f"({BIG_STEPS} with the larger MLP)")])
     print(body)
+    import restart_timing
+
+    restart_timing.main(["--repeats", str(max(args.repeats, 3))])
 
 if __name__ == "__main__":
     main()

@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-restarts", "--max_restarts", default=None,
                      help="after a failure, start every rank again up to N times "
                           "(default $FABRICLITE_MAX_RESTARTS or 0)")
+    run.add_argument("--no-warm-spares", "--no_warm_spares", action="store_true",
+                     help="with --max-restarts: start no warm spares (interpreters with torch imported that become "
+                          "the next round's ranks; or $FABRICLITE_WARM_SPARES=0)")
     run.add_argument("--restart-window", "--restart_window", default=None,
                      help="seconds after the start within which restarts may happen (default: no limit)")
     run.add_argument("--preempt-grace", "--preempt_grace", default=None,
@@ -106,6 +109,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         job = _prepare_run(args)
     except (ValueError, TypeError) as err:  # UsageError and every check of the connector
         usage_error(args.command, str(err))
+    if args.no_warm_spares:
+        os.environ["FABRICLITE_WARM_SPARES"] = "0"  # launchers/warm_spare.py's switch
     code = run_supervised(*job)  # _prepare_run returns run_supervised's arguments, in its order
     if argv is None:  # the program itself: end now, without the interpreter's slow teardown of torch
         exit_process(code)

@@ -59,8 +59,10 @@ def run_supervised(command: Sequence[str], layout: NodeLayout, main_address: str
     joined)."""
     supervisor = Supervisor(layout, main_address, main_port, timeout, output, extra_env=extra_env,
                             restarts=restarts, preempt=preempt or PreemptOptions.from_env(), live=live)
-    # live recovery: a restarted rank is a warm spare, its imports done (launchers/warm_spare.py)
-    spares = Spares.for_job(command, supervisor.output, supervisor.restarts.max_restarts) if live is not None else None
+    # a restarted rank is a warm spare, its imports done (launchers/warm_spare.py): --max-restarts' are started once a
+    # round's ranks are up (when_up), --fault-tolerant's with each rank
+    spares = Spares.for_job(command, supervisor.output, supervisor.restarts.max_restarts, live=live is not None,
+                            local_ranks=layout.local_world_size)
 
     def start(local_rank: int, env: Dict[str, str]) -> Any:
         rank = layout.global_rank(local_rank)
@@ -68,7 +70,7 @@ def run_supervised(command: Sequence[str], layout: NodeLayout, main_address: str
         return spare or PopenWorker(command, env, supervisor.output, rank)
 
     try:
-        return supervisor.run(start)
+        return supervisor.run(start, when_up=spares.top_up if spares is not None and spares.deferred else None)
     except RendezvousError as err:
         print_summary(str(err))
         return 1

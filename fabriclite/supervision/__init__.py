@@ -2,7 +2,8 @@
 save when the cluster preempts it.
 
 The supervisor's side (one process per node that starts nothing itself: the launchers call it):
-``supervisor`` (start, watch, stop one node's ranks), ``failures`` (the one summary), ``restarts`` (rounds,
+``supervisor`` (start, watch, stop one node's ranks; a round's ranks in ``round_ranks``, its signal handlers in
+``supervisor_signals``), ``failures`` (the one summary), ``restarts`` (rounds,
 ``--max-restarts``), ``preemption`` (grace period, forwarding, requeue), ``reaper`` (outlives a killed
 supervisor to kill its ranks' helpers), ``linger`` (node 0 keeps the store up), ``stopping`` (kill and reap),
 ``output_forwarding`` ([rank N] prefixes, per-rank log files), ``hang_watch`` (hangs: the optimizer-step watch, the

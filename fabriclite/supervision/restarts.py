@@ -10,8 +10,10 @@ up to ``max_restarts`` times (``fabriclite run --max-restarts N``, ``Fabric(max_
   (it cannot after a signal or a preemption); node 0's supervisor decides for the job (restarts left, the
   ``--restart-window`` not over, every node able) and publishes the decision with the next round's delay. A
   node that does not report within AGREE_S ends the job.
-- Backoff: 1 s before the first restart, doubling, at most 30 s (``$FABRICLITE_RESTART_BACKOFF`` sets the
-  first delay, for tests).
+- Backoff: the first restart is immediate (most failures are one-off: a lost node, a killed rank); later ones back
+  off, 1 s before the second restart, doubling, at most 30 s, so that a crash loop does not spin.
+  ``$FABRICLITE_RESTART_BACKOFF`` sets the delay before the second restart (the base of the doubling) and
+  ``$FABRICLITE_FIRST_RESTART_BACKOFF`` the delay before the first (default 0).
 - Reporting: each failure's summary is printed when it happens, with what comes next; the final summary lists
   every round. When the restarts are used up the job fails with the last failure's exit code, naming it.
 """
@@ -28,6 +30,7 @@ from fabriclite.distributed import rendezvous
 MAX_RESTARTS_ENV = "FABRICLITE_MAX_RESTARTS"
 WINDOW_ENV = "FABRICLITE_RESTART_WINDOW"
 BACKOFF_ENV = "FABRICLITE_RESTART_BACKOFF"
+FIRST_BACKOFF_ENV = "FABRICLITE_FIRST_RESTART_BACKOFF"
 MAX_BACKOFF_S = 30.0
 #: how long node 0 waits for every node's report after a failed round, and the others for its decision
 AGREE_S = 60.0
@@ -118,19 +121,26 @@ class RestartPolicy:
 
     max_restarts: int = 0
     window_s: Optional[float] = None
-    first_backoff_s: float = 1.0
+    #: the delay before the second restart, doubled for each one after it
+    backoff_s: float = 1.0
+    #: the delay before the first restart
+    first_backoff_s: float = 0.0
 
     @classmethod
     def from_env(cls, max_restarts: int) -> "RestartPolicy":
-        """``max_restarts`` with ``$FABRICLITE_RESTART_WINDOW`` and ``$FABRICLITE_RESTART_BACKOFF`` (script mode)."""
-        window = os.environ.get(WINDOW_ENV)
-        backoff = os.environ.get(BACKOFF_ENV)
+        """``max_restarts`` with ``$FABRICLITE_RESTART_WINDOW``, ``$FABRICLITE_RESTART_BACKOFF`` and
+        ``$FABRICLITE_FIRST_RESTART_BACKOFF`` (ValueError naming a bad one)."""
+        window, backoff, first = (os.environ.get(name) for name in (WINDOW_ENV, BACKOFF_ENV, FIRST_BACKOFF_ENV))
         return cls(max_restarts, parse_seconds(window, f"${WINDOW_ENV}") if window else None,
-                   parse_seconds(backoff, f"${BACKOFF_ENV}") if backoff else 1.0)
+                   parse_seconds(backoff, f"${BACKOFF_ENV}") if backoff else 1.0,
+                   parse_seconds(first, f"${FIRST_BACKOFF_ENV}") if first else 0.0)
 
     def backoff(self, restart: int) -> float:
-        """The delay before restart number ``restart`` (0 first)."""
-        return min(MAX_BACKOFF_S, self.first_backoff_s * (2 ** restart))
+        """The delay before restart number ``restart`` (0 first): ``first_backoff_s`` (default 0: immediate), then
+        ``backoff_s`` doubling, at most MAX_BACKOFF_S."""
+        if restart == 0:
+            return min(MAX_BACKOFF_S, self.first_backoff_s)
+        return min(MAX_BACKOFF_S, self.backoff_s * (2 ** (restart - 1)))
 
 
 @dataclass
@@ -193,7 +203,8 @@ def run_rounds(supervisor: Any, play: Callable[[int], int], report: Callable[[st
             supervisor.summary = (f"{supervisor.summary}\n{history.table()}\nfabriclite: not restarting: {reason}; the "
                                   f"job failed, last failure: {first_line(supervisor.summary)}.")
             return supervisor.stopped_code(code)
-        report(f"{supervisor.summary}\nfabriclite: restarting every rank in {delay:g} s (round {number + 1}, restart "
+        when = f"in {delay:g} s" if delay else "now"
+        report(f"{supervisor.summary}\nfabriclite: restarting every rank {when} (round {number + 1}, restart "
                f"{number + 1} of {policy.max_restarts}).")
         time.sleep(delay)  # the backoff itself, not a synchronisation
         if not supervisor.can_restart():  # a signal or a preemption notice during the backoff

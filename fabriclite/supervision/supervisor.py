@@ -15,7 +15,10 @@ the job into one clear ending.
   started if the supervisor is killed (see reaper.py).
 - SIGINT to the supervisor stops every rank (exit code 130); the first SIGTERM / requeue signal (SIGUSR1) is a
   preemption notice with a grace period (supervision/preemption.py), a second one stops every rank (128 + signal).
+  (The handlers: supervision/supervisor_signals.py.)
 - Restarts (supervision/restarts.py): with ``restarts.max_restarts``, a failed round is followed by a new one.
+  A round's ranks are started, polled and stopped by supervision/round_ranks.py, which also runs the launcher's
+  ``when_up`` once the round's ranks here have done their first step (warm spares start then).
 - Live recovery (``live``, supervision/lighthouse.py): the node is a job of its own (its own store, restarts
   and exit code); node 0's supervisor also runs the lighthouse, the one thing the nodes share.
 """
@@ -25,7 +28,6 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Set
@@ -45,16 +47,10 @@ from fabriclite.supervision.node_layout import NodeLayout, Worker
 from fabriclite.supervision.preemption import EXIT_PREEMPTED, PreemptOptions, Preemption, stop_marker
 from fabriclite.supervision.reaper import Reaper
 from fabriclite.supervision.restarts import MAX_RESTARTS_ENV, RestartPolicy, run_rounds
-from fabriclite.supervision.stopping import kill_group, print_summary, reap
+from fabriclite.supervision.round_ranks import POLL_S, RoundRanks
+from fabriclite.supervision import supervisor_signals
+from fabriclite.supervision.stopping import print_summary
 
-POLL_S = 0.05
-#: how long to wait for the root cause while only ranks that lost a peer were seen failing: the peer is exiting, which
-#: can take its teardown's 2 s bound on gloo's workers plus a loaded interpreter's exit (at 1 s, a load-20 run named
-#: the lost-peer rank as the cause). It ends as soon as a real cause is seen here or on another node.
-SECONDARY_WAIT_S = 5.0
-#: how long a rank that raised may take to exit by itself before it counts as failed, and what it gets beyond the
-#: grace after SIGTERM (it is exiting already; its teardown may wait up to 2 s for gloo's workers: gloo_exit)
-RAISED_GRACE_S, EXITING_S = 0.25, 2.0
 REMOTE_POLL_S = 0.5
 DEFAULT_MULTI_NODE_PORT = 29500
 
@@ -99,14 +95,10 @@ class Supervisor:
         self.report = report
         self.summary = ""
         self._signal: Optional[int] = None
-        self._workers: Dict[int, Worker] = {}
         self._tmpdir = ""
         self._store: Any = None
         self._raw_store: Any = None
         self._opening = False
-        self._stopped: Set[int] = set()
-        self._raised_at: Dict[int, float] = {}
-        self._finished: List[int] = []
         self._reaper: Optional[Reaper] = None
         self.restarts = restarts or RestartPolicy()
         #: the restart round being played (0: the first start)
@@ -124,6 +116,9 @@ class Supervisor:
         #: ranks slower than the median, from their busy time (supervision/stragglers.py)
         self.stragglers = StragglerWatch(layout.node_rank, layout.num_nodes,
                                          lambda rank: rank // layout.local_world_size)
+        #: this node's ranks of the round being played (supervision/round_ranks.py)
+        self.ranks = RoundRanks(layout, self.hangs, self._error_file)
+        self._when_up: Optional[Callable[[], None]] = None
 
     # ------------------------------------------------------------------ the job's store
     def _open_store(self) -> None:
@@ -191,14 +186,17 @@ class Supervisor:
         return EXIT_PREEMPTED if self.preemption.active else code
 
     # ------------------------------------------------------------------ running
-    def run(self, start: Callable[[int, Dict[str, str]], Worker]) -> int:
-        """Open the job's store, start the ranks, watch them; return the node's exit code.
+    def run(self, start: Callable[[int, Dict[str, str]], Worker],
+            when_up: Optional[Callable[[], None]] = None) -> int:
+        """Open the job's store, start the ranks, watch them; return the node's exit code. ``when_up`` runs once
+        per round, when every rank here has finished its first optimizer step (supervision/round_ranks.py).
 
         Raises RendezvousError (naming address and port) when the store cannot be hosted or joined;
         a signal while joining ends the wait at once (exit code 128 + signal)."""
         self._tmpdir = self.hangs.tmpdir = tempfile.mkdtemp(prefix="fabriclite-")
+        self._when_up = when_up
         self.record.job_start()
-        restore = self._install_signal_handlers()
+        restore = supervisor_signals.install(self)
         try:
             code = self._open()
             if code is None and self.restarts.max_restarts:
@@ -237,7 +235,7 @@ class Supervisor:
             self._open_store()
             if self.live is not None:
                 self._open_lighthouse(self.live)
-        except _Interrupted:
+        except supervisor_signals.Interrupted:
             return self._interrupted(self._signal or signal.SIGINT)
         finally:
             self._opening = False
@@ -249,20 +247,18 @@ class Supervisor:
         assert self._reaper is not None
         self.round, self.summary = number, ""
         self._store = rendezvous.prefixed(rendezvous.round_store(self._raw_store, number), rendezvous.KEY_PREFIX)
-        self._workers, self._raised_at, self._finished = {}, {}, []
         if os.path.exists(self._stop_marker):
             os.unlink(self._stop_marker)
         self.record.round_start(number, self.restarts.backoff(number - 1) if number else None)
         self.stragglers.reset()
         self._shown_slowest: Any = None
         self.stragglers.store = self._store if self.layout.num_nodes > 1 else None
-        for local_rank in range(self.layout.local_world_size):
-            worker = self._workers[local_rank] = start(local_rank, self.child_env(local_rank))
-            self._reaper.watch(worker.pid)  # each rank leads its own process group
+        self.hangs.last_records = {}  # the last round's (read until the next check): not this round's progress
+        self.ranks.start(start, self.child_env, self._reaper)
         code = self._watch()
         self._stop_all()
         self.output.close()
-        self.record.round_end(code, self.hangs.records(list(self._workers)))
+        self.record.round_end(code, self.hangs.records(list(self.ranks.workers)))
         return code
 
     def _report(self, text: str) -> None:
@@ -272,7 +268,7 @@ class Supervisor:
             print_summary(text)
 
     def _watch(self) -> int:
-        running = dict(self._workers)
+        running = dict(self.ranks.workers)
         failures: List[Failure] = []
         next_remote = time.monotonic() + REMOTE_POLL_S
         while running:
@@ -280,15 +276,16 @@ class Supervisor:
                 return self._interrupted(self._signal)
             if self.preemption.expired():
                 return self._preempted()
-            self._poll(running, failures)
+            self.ranks.poll(running, failures)
             if failures:
-                self._collect_more(running, failures)
+                self.ranks.collect_more(running, failures, self._remote_failed)
                 return self._fail(failures)
             if self._dump_requested:  # SIGQUIT: print the ranks' stacks, the job goes on
                 self._dump_requested = False
                 self._report(self._stacks("on request (SIGQUIT to the supervisor); the job goes on"))
             hung = self.hangs.check({r: (w.pid, True) for r, w in running.items()})
             self.record.watch(self.hangs.last_records)
+            self.ranks.check_up(self.hangs.last_records, self._when_up)
             self._stragglers()
             if hung is not None:
                 return self._hung(hung)
@@ -316,7 +313,7 @@ class Supervisor:
         if self.stragglers.slowest != self._shown_slowest:
             self._shown_slowest = self.stragglers.slowest
             rank, slower = self.stragglers.slowest or (-1, 0.0)
-            for local_rank in self._workers:
+            for local_rank in self.ranks.workers:
                 write_slowest(self.hangs.progress_file(local_rank), rank, slower)
 
     def _beat(self) -> None:
@@ -326,41 +323,6 @@ class Supervisor:
         except RuntimeError:
             pass  # the next read of the failure flag reports the lost store
 
-    def _poll(self, running: Dict[int, Worker], failures: List[Failure]) -> None:
-        """Move ranks that ended, or that raised (their error file exists) and are still exiting
-        after RAISED_GRACE_S (an interpreter with torch takes a second or more to exit), from
-        ``running`` to ``failures`` (exit 0 is no failure)."""
-        now = time.monotonic()
-        for local_rank, worker in list(running.items()):
-            code = worker.poll()
-            if code is None:
-                if local_rank not in self._raised_at:
-                    if os.path.exists(self._error_file(local_rank)):
-                        self._raised_at[local_rank] = now
-                        self.hangs.error_seen(local_rank, self._error_file(local_rank), self._live(),
-                                              list(self._raised_at))  # a collective timeout: stacks now
-                    continue
-                if now - self._raised_at[local_rank] < RAISED_GRACE_S:
-                    continue
-            del running[local_rank]
-            if code == 0:
-                self._finished.append(self.layout.global_rank(local_rank))
-            else:
-                failures.append(Failure.from_exit(self.layout.node_rank, self.layout.global_rank(local_rank),
-                                                  local_rank, code, self._error_file(local_rank), POLL_S))
-
-    def _collect_more(self, running: Dict[int, Worker], failures: List[Failure]) -> None:
-        """Give ranks that failed at nearly the same time a moment to be seen too; longer (up to
-        SECONDARY_WAIT_S) while every failure seen only reports a lost peer and no other node published one."""
-        start = time.monotonic()
-        while running:
-            time.sleep(POLL_S)
-            self._poll(running, failures)
-            waited = time.monotonic() - start
-            if waited >= 0.1 and (waited >= SECONDARY_WAIT_S or not all(f.secondary for f in failures)
-                                  or self._remote_failed()):
-                return
-
     def _remote_failed(self) -> bool:
         """Whether another node published a failure (the cause a lost peer here may be reporting)."""
         return self.layout.num_nodes > 1 and rendezvous.read_failure(self._store) is not None
@@ -368,9 +330,9 @@ class Supervisor:
     def _fail(self, failures: List[Failure]) -> int:
         remote = rendezvous.read_failure(self._store) if self.layout.num_nodes > 1 else None
         failed = {f.local_rank for f in failures}
-        stopping = [self.layout.global_rank(r) for r, w in self._workers.items()
+        stopping = [self.layout.global_rank(r) for r, w in self.ranks.workers.items()
                     if r not in failed and w.poll() is None]
-        self.summary = summarize(failures, remote, self.layout.node_rank, stopping, self._finished)
+        self.summary = summarize(failures, remote, self.layout.node_rank, stopping, self.ranks.finished)
         root = root_cause(failures)
         hang = is_hang(root)
         if hang:  # before any SIGTERM: where every live rank is, the stuck one among them
@@ -384,13 +346,10 @@ class Supervisor:
         rendezvous.publish_failure(self._store, {**root.record(), "hang": hang})
         return root.exit_code
 
-    def _live(self, failed: Set[int] = frozenset()) -> Dict[int, Any]:  # type: ignore[assignment]
-        return {r: (w.pid, w.poll() is None and r not in failed) for r, w in self._workers.items()}
-
     def _stacks(self, why: str, failed: Set[int] = frozenset()) -> str:  # type: ignore[assignment]
         """Every live rank's stacks (all threads; not those of ``failed`` local ranks: their tracebacks are in the
         summary), with their progress (supervision/stacks.py)."""
-        return self.hangs.stacks(self._live(failed), why)
+        return self.hangs.stacks(self.ranks.live(failed), why)
 
     def _hung(self, reason: str) -> int:
         """No rank here completed an optimizer step within the hang timeout: stacks, then stop as a failure."""
@@ -427,55 +386,9 @@ class Supervisor:
 
     # ------------------------------------------------------------------ stopping
     def _stop_all(self) -> None:
-        """SIGTERM every rank's process group, SIGKILL what is left after the grace period (the
-        ranks' own children included; the summary names ranks that had to be SIGKILLed), reap the
-        ranks. Idempotent."""
-        workers = {r: w for r, w in self._workers.items() if w.pid not in self._stopped}
-        alive = {r: w for r, w in workers.items() if w.poll() is None}
-        if alive and self._tmpdir:
-            open(self._stop_marker, "w").close()  # ranks that record SIGTERM: this one means "end now"
-        for worker in alive.values():
-            kill_group(worker.pid, signal.SIGTERM)
-        start, limit = time.monotonic(), {r: self.grace_s + (EXITING_S if r in self._raised_at else 0) for r in alive}
-        while any(w.poll() is None and time.monotonic() - start < limit[r] for r, w in alive.items()):
-            time.sleep(0.02)
-        stubborn = [self.layout.global_rank(r) for r, w in alive.items() if w.poll() is None]
+        """Stop and reap every rank of the round (RoundRanks.stop_all; the summary names ranks that had to be
+        SIGKILLed). Idempotent."""
+        stubborn = self.ranks.stop_all(self.grace_s, self._stop_marker if self._tmpdir else None, self._reaper)
         if stubborn and self.summary:
             self.summary += (f"\n  ranks {stubborn} did not end within {self.grace_s:g} s of SIGTERM and were "
                              f"killed (SIGKILL).")
-        for worker in workers.values():  # anything left, grandchildren included
-            kill_group(worker.pid, signal.SIGKILL)
-        for worker in workers.values():
-            reap(worker)
-            self._stopped.add(worker.pid)
-            if self._reaper is not None:
-                self._reaper.forget(worker.pid)
-
-    def _install_signal_handlers(self) -> Callable[[], None]:
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGQUIT, *self.preemption.options.signals)}
-
-        def handler(signum: int, frame: Any) -> None:
-            if signum == signal.SIGQUIT:  # print the ranks' stacks (the watch loop takes them); the job goes on
-                self._dump_requested = True
-                return
-            if not self._opening and self.preemption.notice(signum, self._workers):
-                self.record.preemption_notice(signum)
-                return  # the first SIGTERM / requeue signal: a grace period (see supervision/preemption.py)
-            self._signal = signum
-            if self._opening:  # waiting for node 0's store: stop waiting now
-                raise _Interrupted()
-
-        for s in previous:
-            signal.signal(s, handler)
-
-        def restore() -> None:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
-        return restore
-
-
-class _Interrupted(Exception):
-    """A signal arrived while the supervisor waited for the job's store."""

@@ -12,9 +12,14 @@ weights to $OUT. Faults are injected from here, at a given step, never by timing
                       signal (the test sends SIGUSR1 to the supervisor when it reads the line)
 - KILL_IN_SHARD=step:rank   that rank SIGKILLs itself inside torch.distributed.checkpoint's write of its shard of
                       that step's checkpoint (round 0; STRATEGY=fsdp)
+- WAIT_SPARES=step:rank   after that step (round 0), that rank waits until its supervisor's warm spares
+                      (launchers/warm_spare.py) are all waiting with their imports done, then prints
+                      "SPARES READY pids=<pid,pid> t=<unix time> rss_kb=<n> pss_kb=<n>" (the first spare's memory,
+                      /proc/PID/smaps_rollup), before KILL_AT / WAIT_AT act at that step
 
-PHASES=1 prints "PHASE <name> rank=<r> t=<unix time>" on every rank at: the process's start (from /proc), its imports
-done, launch() done, setup done and load_latest done (benchmarks/fault_tolerance.py's restart breakdown).
+PHASES=1 prints "PHASE <name> rank=<r> t=<unix time> pid=<pid>" on every rank at: the process's start (from /proc), its
+imports done, launch() done, setup done, load_latest done and its first optimizer step done ("stepped")
+(benchmarks/restart_timing.py's restart breakdown).
 
 STRATEGY=fsdp shards the model (FSDPStrategy); ASYNC=1 saves in the background (AsyncCheckpointIO, or
 FSDPStrategy(async_save=True)).
@@ -78,7 +83,7 @@ def process_start() -> float:
 def phase(name, at=None):
     if os.environ.get("PHASES") == "1":
         rank = os.environ.get("FABRICLITE_RANK", os.environ.get("RANK", "?"))
-        print(f"PHASE {name} rank={rank} t={time.time() if at is None else at}", flush=True)
+        print(f"PHASE {name} rank={rank} t={time.time() if at is None else at} pid={os.getpid()}", flush=True)
 
 
 def main() -> None:
@@ -109,17 +114,26 @@ def main() -> None:
     first_round = fabric.restart_count == 0 or os.environ.get("KILL_ALWAYS") == "1"
     if kill_in_save and fabric.global_rank == 0 and first_round:
         _kill_inside_save(int(kill_in_save))
-    kill_in_shard = pair("KILL_IN_SHARD")
+    kill_in_shard, wait_spares = pair("KILL_IN_SHARD"), pair("WAIT_SPARES")
     if kill_in_shard and fabric.global_rank == kill_in_shard[1] and first_round:
         _kill_inside_shard(kill_in_shard[0], lambda: state["step"])
+    stepped = False
     while step < STEPS:
         for x, y in loader:
             loss = nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad()
             fabric.backward(loss)
             optimizer.step()
+            if not stepped:
+                stepped = True
+                phase("stepped")  # this round's first optimizer step
             scheduler.step()
             step += 1
+            if wait_spares and first_round and (step, fabric.global_rank) == wait_spares:
+                pids = _wait_for_spares(int(os.environ.get("FABRICLITE_LOCAL_WORLD_SIZE", "2")))
+                rss, pss = memory_kb(pids[0]) if pids else (0, 0)
+                print(f"SPARES READY pids={','.join(map(str, pids))} t={time.time()} rss_kb={rss} pss_kb={pss}",
+                      flush=True)
             if kill_at and first_round and step == kill_at[0] and fabric.global_rank == kill_at[1]:
                 print(f"KILLED t={time.time()}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -169,6 +183,38 @@ def _kill_inside_shard(at_step, current_step):
         return result
 
     filesystem._write_item = write
+
+
+def spare_pids(supervisor):
+    """``supervisor``'s warm spares whose imports are done (named READY_NAME: launchers/warm_spare.py)."""
+    try:
+        with open(f"/proc/{supervisor}/task/{supervisor}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    ready = []
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "warm-spare":  # launchers/warm_spare.py's READY_NAME
+                    ready.append(pid)
+        except OSError:
+            pass
+    return ready
+
+
+def memory_kb(pid):
+    """(RSS, PSS) of ``pid`` in kB (Linux /proc/PID/smaps_rollup)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        fields = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[-1:] == ["kB"]}
+    return fields["Rss"], fields["Pss"]
+
+
+def _wait_for_spares(count):
+    deadline = time.monotonic() + 120
+    while len(spare_pids(os.getppid())) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return spare_pids(os.getppid())
 
 
 def _wait_for_preemption():

@@ -164,7 +164,7 @@ def test_node_0s_supervisor_killed_during_a_restart_leaves_nothing_and_the_newes
     script = str(tmp_path / "restart_copy.py")
     shutil.copy(SCRIPT, script)
     env = {"CKPT_DIR": str(tmp_path / "ckpt"), "OUT": str(tmp_path / "w.pt"), "KILL_AT": "13:1",
-           "FABRICLITE_RESTART_BACKOFF": "30" if moment == "backoff" else "0.05", "ASYNC": "1"}
+           "FABRICLITE_FIRST_RESTART_BACKOFF": "30" if moment == "backoff" else "0", "ASYNC": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2",
                              "--max-restarts", "2", script], env={**os.environ, "OMP_NUM_THREADS": "1", **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

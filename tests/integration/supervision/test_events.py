@@ -68,7 +68,7 @@ def crash_and_restart(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("events")
     script = tmp / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = {"FABRICLITE_RESTART_BACKOFF": str(BACKOFF_S), "REDONE": str(REDONE), "BLOCK_S": str(BLOCK_S),
+    env = {"FABRICLITE_FIRST_RESTART_BACKOFF": str(BACKOFF_S), "REDONE": str(REDONE), "BLOCK_S": str(BLOCK_S),
            "STEP_S": str(STEP_S), "CKPT": str(tmp / "ckpt"), "FABRICLITE_RUN_ID": "events_test"}
     done = subprocess.run([sys.executable, "-m", "fabriclite", "run", "--accelerator", "cpu", "--devices", "2",
                            "--strategy", "ddp", "--max-restarts", "1", str(script)], cwd=tmp, env=clean_env(env),

@@ -285,7 +285,7 @@ def test_a_rank_that_raised_gets_its_teardown_time_beyond_the_grace(tmp_path, mo
     gets the grace plus EXITING_S before SIGKILL. Here it needs 1.5 s to exit with a 0.5 s grace, and is not killed;
     the test fails with the grace alone (the summary then names it as SIGKILLed)."""
     from fabriclite.supervision.rank_child import ERROR_FILE_ENV, write_error_file
-    from fabriclite.supervision.supervisor import EXITING_S
+    from fabriclite.supervision.round_ranks import EXITING_S
 
     assert EXITING_S > 1.5 - 0.5  # the slow exit below fits the extra time and not the grace alone
     record = str(tmp_path / "record.json")  # rank 1's error record, written here by the ranks' own writer: the

@@ -29,9 +29,21 @@ class Node:
         return 75 if self.stopped else code
 
 
-def test_backoff_doubles_up_to_30_s():
+def test_the_first_restart_is_immediate_then_the_backoff_doubles_up_to_30_s():
     policy = RestartPolicy(10)
-    assert [policy.backoff(n) for n in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    assert [policy.backoff(n) for n in range(8)] == [0, 1, 2, 4, 8, 16, 30, 30]
+    policy = RestartPolicy(10, backoff_s=0.5, first_backoff_s=3)  # $FABRICLITE_RESTART_BACKOFF=0.5, ..._FIRST_...=3
+    assert [policy.backoff(n) for n in range(4)] == [3, 0.5, 1, 2]
+
+
+def test_backoff_settings_from_the_environment(monkeypatch):
+    assert (RestartPolicy.from_env(2).backoff_s, RestartPolicy.from_env(2).first_backoff_s) == (1.0, 0.0)
+    monkeypatch.setenv(restarts.BACKOFF_ENV, "0.25")
+    monkeypatch.setenv(restarts.FIRST_BACKOFF_ENV, "2")
+    assert [RestartPolicy.from_env(3).backoff(n) for n in range(3)] == [2, 0.25, 0.5]
+    monkeypatch.setenv(restarts.FIRST_BACKOFF_ENV, "soon")
+    with pytest.raises(ValueError, match=r"\$FABRICLITE_FIRST_RESTART_BACKOFF='soon': expected a number of seconds"):
+        RestartPolicy.from_env(3)
 
 
 def test_restarts_until_success_and_the_final_summary_lists_every_round(monkeypatch):
@@ -40,8 +52,9 @@ def test_restarts_until_success_and_the_final_summary_lists_every_round(monkeypa
     node = Node([3, 3, 0], RestartPolicy(5))
     reported = []
     assert run_rounds(node, node.play, reported.append) == 0
-    assert node.played == [0, 1, 2] and slept == [1, 2]
-    assert "restarting every rank in 1 s (round 1, restart 1 of 5)" in reported[0]
+    assert node.played == [0, 1, 2] and slept == [0, 1]  # the first restart immediate, the second after 1 s
+    assert "restarting every rank now (round 1, restart 1 of 5)" in reported[0]
+    assert "restarting every rank in 1 s (round 2, restart 2 of 5)" in reported[1]
     assert "round 0: failed: rank 1 exited with code 3" in node.summary and "round 2: succeeded" in node.summary
 
 
@@ -51,8 +64,9 @@ def test_used_up_restarts_and_an_over_window_end_with_the_last_failure(monkeypat
     assert run_rounds(node, node.play, lambda text: None) == 4
     assert node.summary.endswith("not restarting: the 1 restarts (--max-restarts) are used up; the job failed, last "
                                  "failure: rank 1 exited with code 4.")
-    node = Node([3], RestartPolicy(5, window_s=0.5))  # the first backoff (1 s) would already end past the window
+    node = Node([3, 3], RestartPolicy(5, window_s=0.5))  # the second backoff (1 s) would end past the window
     assert run_rounds(node, node.play, lambda text: None) == 3
+    assert node.played == [0, 1]  # the first restart, immediate, fits it
     assert "restart window of 0.5 s (--restart-window) is over" in node.summary
 
 

@@ -27,9 +27,9 @@ RUN_TIMEOUT_S = 300
 #: the issue's bound on the healthy groups' longest gap between committed steps on the loaded CI machine
 MAX_GAP_S = 10.0
 #: a restarted rank is a warm spare and heals within about a second of the kill, faster than the lighthouse drops
-#: two lost groups (heartbeat timeout 1 s): a 2 s backoff keeps the node down long enough to see the others commit
-#: without it
-RESTART = {"FABRICLITE_RESTART_BACKOFF": "2", "FT_PACE": "0.05"}
+#: two lost groups (heartbeat timeout 1 s): a 2 s backoff before the first restart (by default immediate) keeps the
+#: node down long enough to see the others commit without it
+RESTART = {"FABRICLITE_FIRST_RESTART_BACKOFF": "2", "FABRICLITE_RESTART_BACKOFF": "2", "FT_PACE": "0.05"}
 
 
 def run_job(out: Path, env: Dict[str, str], args: List[str] = (), steps: int = STEPS) -> List:
