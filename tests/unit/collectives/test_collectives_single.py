@@ -227,9 +227,10 @@ def test_collectives_module_keeps_its_public_names():
         assert callable(getattr(collectives, name))
 
 
-def test_a_uniform_collection_is_checked_by_one_stack():
-    """The one-pass key of a uniform collection: found by its structure, its dtypes compared, its values
-    stacked; any change of a leaf's dtype, shape, type or container falls back to the full key."""
+def test_a_uniform_collection_is_checked_in_one_pass_per_property():
+    """The one-pass key of a uniform collection: found by its structure, its dtypes, devices and dims compared,
+    its values read (on the CPU: Python numbers, by ``item()``); any change of a leaf's dtype, shape, device,
+    type or container falls back to the full key."""
     from fabriclite.collectives.structure import SpecCache
 
     cache = SpecCache()
@@ -238,11 +239,14 @@ def test_a_uniform_collection_is_checked_by_one_stack():
     assert stacked is None and spec.uniform == (torch.float32, torch.device("cpu"))  # first sight: the full key
     tree2, leaves2, spec2, stacked2 = cache.take_apart(dict(base), "reduce")
     assert spec2 is spec and tree2 == tree and stacked2 is not None
-    assert stacked2.tolist() == [float(i) for i in range(5)]
+    assert stacked2 == [float(i) for i in range(5)]
     changed = {
         "dtype": torch.tensor(1.0, dtype=torch.float64),
         "shape": torch.ones(1),
+        "shape 2-d": torch.ones(1, 1),
+        "device": torch.tensor(1.0, device="meta"),
         "type": 1.0,
+        "dtype-like object": type("FakeLeaf", (), {"dtype": torch.float32, "is_cpu": True})(),
         "container": {"x": torch.tensor(1.0)},
         "int": torch.tensor(1),
     }
