@@ -27,10 +27,12 @@ import operator
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from fabriclite.collectives.buffers import tensor_check
 
 #: the structure of a single leaf
 LEAF = 0
@@ -211,6 +213,9 @@ class Spec:
         #: and that dtype once per leaf (what ``find`` compares the leaves' dtypes with)
         self.uniform: Optional[Tuple[torch.dtype, torch.device]] = None
         self.dtypes: List[torch.dtype] = []
+        #: of a uniform Spec: ``buffers.tensor_check`` of the leaves it was last looked up with (set by
+        #: ``SpecCache``), which ``read_uniform`` runs instead of its Python passes; None: the passes
+        self.check: Optional[Callable[..., bool]] = None
         first = self.leaves[0] if self.leaves else None
         if (len(self.leaves) >= STACK_MIN and first is not None and first.kind == TENSOR and first.shape == ()
                 and all(leaf == first for leaf in self.leaves)):
@@ -309,6 +314,7 @@ class SpecCache:
         """``get``, remembering a uniform Spec as its structure's last one."""
         spec = self.get(tree, leaves, mode)
         if spec.uniform is not None:
+            spec.check = tensor_check(leaves)  # these leaves, as they are now (requires_grad included)
             try:
                 self._uniform[tree] = spec
             except TypeError:
@@ -344,20 +350,28 @@ class SpecCache:
 
 def read_uniform(spec: Spec, leaves: Sequence[Any]) -> Optional[Values]:
     """The leaves' values in the caller's order when they match the uniform ``spec`` (every leaf a 0-d tensor of
-    its dtype on its device), else None. One pass compares the dtypes (a leaf without one, or with another, fails
-    it). On the CPU, one pass checks that every leaf is on the CPU, one that every leaf is 0-d, and ``item()``
-    reads each value: a list of Python numbers. Elsewhere ``torch.stack`` reads the values and checks the rest (a
-    non-tensor leaf raises, a shape or a device that differs from the others raises; the result's shape and
-    device tell whether the common shape is 0-d and the common device the spec's): an ``(n,)`` tensor."""
+    its dtype on its device), else None. ``spec.check`` (one C++ pass: each leaf a tensor of the type, dtype,
+    device, shape, strides, requires_grad and dispatch keys of the leaves the spec was last found with) proves
+    it where torch has that check; else one Python pass compares the dtypes (a leaf without one, or with
+    another, fails it), and on the CPU one pass checks the devices and one the dims. On the CPU ``item()`` then
+    reads each value: a list of Python numbers. Elsewhere ``torch.stack`` reads the values (and checks the
+    shapes and devices again: a non-tensor leaf raises, a shape or device that differs from the others raises,
+    and the result's shape and device tell whether the common shape is 0-d and the device the spec's): an
+    ``(n,)`` tensor."""
     uniform = spec.uniform
     if uniform is None or len(leaves) != len(spec.dtypes):
         return None
+    cpu = uniform[1].type == "cpu"
     try:
-        if list(map(_dtype, leaves)) != spec.dtypes:
-            return None
-        if uniform[1].type == "cpu":
-            if not all(map(_is_cpu, leaves)) or any(map(_dim, leaves)):
+        check = spec.check
+        if check is not None:
+            if not check(*leaves):
                 return None
+        elif list(map(_dtype, leaves)) != spec.dtypes:
+            return None
+        elif cpu and (not all(map(_is_cpu, leaves)) or any(map(_dim, leaves))):
+            return None
+        if cpu:
             return list(map(_item, leaves))
         stacked = torch.stack(leaves)  # type: ignore[arg-type]
     except (AttributeError, TypeError, RuntimeError, ValueError):
