@@ -66,9 +66,10 @@ class Slot:
     def __init__(self, buffer: Tensor, make_views: Views) -> None:
         self.buffer = buffer
         self.views = tuple(make_views(buffer))
-        #: the views as handed out (none requires grad): ``free`` checks each still is, in one C++ pass (their
-        #: number of dims, not their sizes: a view's sizes change only with its number of dims)
-        self.check = tensor_check(self.views, sizes=False)
+        #: of a slot kept in a pool, made by ``Pool._keep`` from the views as made (none requires grad): ``free``
+        #: checks each still is so, in one C++ pass (their number of dims, not their sizes: a view's sizes change
+        #: only with its number of dims); None: a Python pass over ``requires_grad``
+        self.check: Optional[Callable[..., bool]] = None
         #: the buffer as a numpy array (CPU), made on first use and kept: one more user of the memory
         self.array: Any = None
         self.commit()
@@ -125,7 +126,9 @@ class Pool:
         return None
 
     def _keep(self, slot: Slot) -> Slot:
+        """Keep a new ``slot`` (before its views are handed out) while the pool has room, with its check."""
         if _use_count is not None and len(self.slots) < POOL_DEPTH:
+            slot.check = tensor_check(slot.views, sizes=False)
             self.slots.append(slot)
         return slot
 
