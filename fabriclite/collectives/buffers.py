@@ -157,6 +157,13 @@ def pool_of(owner: Any, kind: str, make_views: Views = Tensor.unbind) -> Pool:
     return pool
 
 
+def stacked_slot(bucket: Any, size: int, device: torch.device) -> Slot:
+    """The reused ``(leaves, size)`` result buffer of an all_gather's 0-d ``bucket`` (a Bucket) of POOL_MIN_LEAVES
+    or more leaves: a free slot of its "stacked" pool, or a new one; ``commit`` it once written. Needs none of
+    the gathered data: found while the header exchange runs (``header.agree``'s ``during``)."""
+    return pool_of(bucket, "stacked").acquire((len(bucket.ids), size), bucket.wire, device)
+
+
 # ---------------------------------------------------------------------------------------------- header rows
 def max_width(size: int) -> int:
     """The widest header row for a group of ``size``: 8 KiB for small groups, shrinking so the exchanged
