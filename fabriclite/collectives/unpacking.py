@@ -112,12 +112,18 @@ def _into_callers(plan: Plan, bucket: Bucket, leaves: Sequence[Any], pieces: Seq
 
 # ---------------------------------------------------------------------------------------------- gathers
 def gathered(ctx: Context, spec: Spec, plan: GatherPlan, leaves: Sequence[Any], got: Gathered, tree: Tree,
-             data: Any, sync_grads: bool, slots: Optional[Dict[int, Slot]] = None) -> Any:
+             data: Any, sync_grads: bool, slots: Optional[Dict[Any, Any]] = None) -> Any:
     """An all_gather's result: ``data`` rebuilt with every rank's leaves, stacked ``(size, *shape)`` for fixed
     leaves, concatenated for var tensors, lists for objects (one process without process groups: no stacking
     dim). ``sync_grads``: differentiable outputs for the inputs that require grad. ``slots``: per bucket index,
-    its result buffer found beforehand (``buffers.stacked_slot``)."""
+    its result buffer found beforehand (``buffers.stacked_slot``), and under "result" the result built around
+    its views (one bucket holding every leaf): only the values are written then."""
     layout = plan.layout
+    early = slots.get("result") if slots else None
+    if early is not None:
+        assert slots is not None and got.slot is None
+        _split_stacked(got.regions[0], layout.buckets[0], slots[0])
+        return early
     outs: List[Any] = list(leaves)
     shapes: List[List[Tuple[int, ...]]] = [[] for _ in layout.var_ids]
     with torch.no_grad():
