@@ -34,19 +34,20 @@ primitives used).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from fabriclite.collectives import sync
+from fabriclite.collectives.buffers import POOL_MIN_LEAVES, stacked_slot
 from fabriclite.collectives.header import CollectiveMismatchError, agree, fail, wire_message, wire_reduce, wire_rows
 from fabriclite.collectives.packing import begin, pack_message, pack_reduce, pack_row
 from fabriclite.collectives.plans import (ALL_GATHER, ALL_REDUCE, BROADCAST, FLAG_CAT, GATHER, REDUCE, Call,
-                                          plan_gather, plan_reduce, tag)
+                                          GatherPlan, plan_gather, plan_reduce, tag)
 from fabriclite.collectives.state import Context, Strategy, context
 from fabriclite.collectives.structure import flatten
 from fabriclite.collectives.sync import RankZeroFailed
-from fabriclite.collectives.unpacking import gathered, gathered_per_rank, reduced, unpickled
+from fabriclite.collectives.unpacking import gathered, gathered_per_rank, rebuild, reduced, unpickled
 
 __all__ = ["CollectiveMismatchError", "RankZeroFailed", "all_gather", "all_reduce", "barrier", "broadcast",
            "gather", "rank_zero_first", "reduce"]
@@ -113,10 +114,34 @@ def all_gather(strategy: Strategy, data: Any, group: Any = None, sync_grads: boo
                 raise
             fail(ctx, begin(ctx), call, err)
         words = row.words
-        lows = None if words is None else agree(ctx, words, plan.tag, row.low, plan.call, plan.lines,
-                                                plan.hint)  # 4 agree
+        slots: Dict[Any, Any] = {}
+        lows = None if words is None else agree(ctx, words, plan.tag, row.low, plan.call, plan.lines, plan.hint,
+                                                _finding(slots, plan, ctx, tree, data, sync_grads))  # 4 agree
         got = wire_rows(ctx, plan, row, lows)  # 5 wire
-    return gathered(ctx, spec, plan, leaves, got, tree, data, sync_grads)  # 6 unpack, 7 rebuild
+    return gathered(ctx, spec, plan, leaves, got, tree, data, sync_grads, slots)  # 6 unpack, 7 rebuild
+
+
+def _finding(slots: Dict[Any, Any], plan: GatherPlan, ctx: Context, tree: Any, data: Any,
+             sync_grads: bool) -> Optional[Callable[[], None]]:
+    """What an all_gather can do while its header is exchanged: find the result buffers of its pooled 0-d buckets
+    (checking a reused buffer's views touches each of them: about as long as the exchange itself for 1,000
+    leaves on a loaded machine), into ``slots`` by bucket index, and, when those views are the whole result
+    (one such bucket holding every leaf, on this device, without ``sync_grads``), the result itself, rebuilt
+    around them (``slots["result"]``; the values are written into them once they arrive). None when it has
+    no such bucket."""
+    layout = plan.layout
+    pooled = [(k, b) for k, b in enumerate(layout.buckets) if b.scalar and len(b.ids) >= POOL_MIN_LEAVES]
+    if not pooled or ctx.size == 1:
+        return None
+    whole = (len(layout.buckets) == 1 and layout.fixed_only and layout.buckets[0].whole and not sync_grads
+             and not ctx.single_device and not layout.buckets[0].elsewhere[ctx.device])
+
+    def find() -> None:
+        for k, bucket in pooled:
+            slots[k] = stacked_slot(bucket, ctx.size, ctx.device)
+        if whole:
+            slots["result"] = rebuild(tree, slots[0].views, data)
+    return find
 
 
 def all_reduce(strategy: Strategy, data: Any, group: Any = None, reduce_op: Any = "mean",

@@ -23,7 +23,7 @@ same ``CollectiveMismatchError``, and the group stays usable. Two different call
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, NamedTuple, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, NoReturn, Optional, Tuple
 
 import numpy as np
 import torch
@@ -47,14 +47,16 @@ class CollectiveMismatchError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- agree
 def agree(ctx: Context, words: Words, tag: int, low: Optional[int], call: Call, lines: Optional[List[str]] = None,
-          hint: str = "") -> List[int]:
+          hint: str = "", during: Optional[Callable[[], None]] = None) -> List[int]:
     """Send this rank's header (``tag`` over ``low``: its row size in UNIT-byte units; or, at width 1 with
     ``low`` None, over the 4-byte payload already written) and return every rank's low half when every rank
     sent this tag (the group's next header width then follows from the sizes they carry); ``words.rows`` then
     holds every rank's payload. Otherwise raises the same CollectiveMismatchError on every rank, after one
     detailed exchange: a rank's local error, different collectives, ops, roots or flags, different structures
-    (``lines``: this rank's structure lines) or payload sizes."""
-    halves = _exchange(ctx, words, tag, low)
+    (``lines``: this rank's structure lines) or payload sizes. ``during``: work that needs none of the exchanged
+    data (finding a result buffer), run while the strategy moves it where the strategy can start the exchange
+    and wait for it later (``flat_all_gather_into_async``: a wide header under DDP), else after it."""
+    halves = _exchange(ctx, words, tag, low, during)
     tags = halves[1::2]
     first = tags[0]
     if first <= TAG_ERROR or tags.count(first) != len(tags):
@@ -83,8 +85,10 @@ def fail(ctx: Context, words: Words, call: Call, error: BaseException) -> NoRetu
         raise mismatch from error
 
 
-def _exchange(ctx: Context, words: Words, tag: int, low: Optional[int]) -> List[int]:
-    """The header collective; every rank's halves, flat: ``[low_0, tag_0, low_1, tag_1, ...]``."""
+def _exchange(ctx: Context, words: Words, tag: int, low: Optional[int],
+              during: Optional[Callable[[], None]] = None) -> List[int]:
+    """The header collective; every rank's halves, flat: ``[low_0, tag_0, low_1, tag_1, ...]``. ``during`` runs
+    while the collective runs where the strategy can start it and wait later, else after it."""
     words.sized = low is not None
     j = 2 * (words.width - 1)
     halves = words.halves
@@ -97,10 +101,20 @@ def _exchange(ctx: Context, words: Words, tag: int, low: Optional[int]) -> List[
         pair[j + 1:j + 2].fill_(_signed(tag))
         if low is not None:
             pair[j:j + 1].fill_(_signed(low))
+    start = getattr(ctx.strategy, "flat_all_gather_into_async", None) if during is not None else None
     if words.width == 1:
         result = ctx.strategy.flat_all_reduce(words.gathered, "sum", ctx.group)
+    elif start is not None:
+        finish = start(words.gathered, words.mine, ctx.group)
+        try:
+            during()  # type: ignore[misc]
+        finally:  # the collective runs on: wait for it whatever ``during`` did
+            result = finish()
+        during = None
     else:
         result = ctx.strategy.flat_all_gather_into(words.gathered, words.mine, ctx.group)
+    if during is not None:
+        during()
     words.result = result
     if result is words.gathered:
         words.rows = words.own_rows

@@ -20,6 +20,7 @@ from fabriclite.collectives.buffers import (CAPACITY, POOL_MIN_BYTES, SKELETON_A
                                             Words, pool_of)
 from fabriclite.collectives.plans import MAX_SIZE, Bucket, GatherPlan, Layout, Plan, align
 from fabriclite.collectives.state import Context
+from fabriclite.collectives.structure import Values
 
 _item = Tensor.item
 #: wire dtypes numpy can write directly
@@ -73,12 +74,13 @@ def begin(ctx: Context) -> Words:
 
 # ---------------------------------------------------------------------------------------------- reductions
 def pack_reduce(ctx: Context, plan: Plan, leaves: Sequence[Any], header: bool,
-                stacked: Optional[Tensor] = None) -> Packed:
+                stacked: Optional[Values] = None) -> Packed:
     """A reduction's leaves into the payload of the group's header row (``words``, when ``header``) when they
     fit, else one wire buffer per bucket (a mean over a power-of-two group divided while packing; a large
     single tensor left for the wire to copy into a reused buffer; ``inplace``: the caller's contiguous tensor
     is its own wire buffer). ``stacked``: every leaf's value, from ``SpecCache.find`` (one bucket of 0-d
-    tensors), written with one copy instead of leaf by leaf."""
+    tensors; ``structure.read_uniform``: a list of Python numbers or a tensor), written in one assignment or
+    copy instead of leaf by leaf."""
     words = begin(ctx) if header else None
     used = plan.layout.used
     inline = words is not None and used <= words.room
@@ -113,14 +115,18 @@ def _large_single(bucket: Bucket, leaves: Sequence[Any]) -> bool:
 
 
 def pack(bucket: Bucket, leaves: Sequence[Any], device: torch.device, copy: bool,
-         divisor: Optional[int] = None, stacked: Optional[Tensor] = None) -> Tensor:
+         divisor: Optional[int] = None, stacked: Optional[Values] = None) -> Tensor:
     """The bucket's leaves (canonical order) as one flat ``bucket.wire`` tensor on ``device``, divided by
     ``divisor`` when given. ``copy=False`` may return a view of the caller's single tensor (never to be
-    written to). ``stacked``: every leaf's value in the caller's order (a new tensor, ours to change), for a
-    bucket that holds every leaf."""
+    written to). ``stacked``: every leaf's value in the caller's order (a list of Python numbers, or a new
+    tensor, ours to change), for a bucket that holds every leaf."""
     wire, mode = bucket.wire, bucket.mode
     if stacked is not None and bucket.whole:
-        buf = stacked.to(device=device, dtype=wire)
+        if isinstance(stacked, list):
+            buf = torch.tensor(stacked, dtype=wire)
+            buf = buf if device == _CPU else buf.to(device)
+        else:
+            buf = stacked.to(device=device, dtype=wire)
         if bucket.perm is not None:
             buf = buf.index_select(0, bucket.index[device][0])
         return buf.div_(divisor) if divisor is not None else buf
@@ -146,28 +152,35 @@ def pack(bucket: Bucket, leaves: Sequence[Any], device: torch.device, copy: bool
 
 def write_inline(buckets: Sequence[Bucket], leaves: Sequence[Any], dest: Tensor, dest_np: Any,
                  device: torch.device, divisors: Optional[Sequence[Optional[int]]] = None,
-                 stacked: Optional[Tensor] = None) -> None:
+                 stacked: Optional[Values] = None) -> None:
     """Pack ``buckets`` at their offsets into ``dest`` (uint8; ``dest_np``: the same memory as a numpy
     array, or None): 0-d buckets go straight from Python values into the bytes (no tensor per call), each
     divided by its ``divisors`` entry when given (a mean over a power-of-two group; exact); or, given
-    ``stacked`` (every leaf's value in the caller's order), a bucket holding every leaf is written from it
-    by one copy (permuted to the canonical order on the way)."""
+    ``stacked`` (every leaf's value in the caller's order: Python numbers, written the same way by one numpy
+    assignment, or a tensor), a bucket holding every leaf is written from it at once (permuted to the
+    canonical order on the way)."""
     for k, bucket in enumerate(buckets):
         divisor = divisors[k] if divisors is not None else None
-        if stacked is not None and bucket.whole:
+        whole = stacked is not None and bucket.whole
+        if whole and not isinstance(stacked, list):
+            assert stacked is not None
             _write_stacked(bucket, stacked, dest, divisor)
             continue
         region = _region(bucket, dest_np) if dest_np is not None and bucket.scalar else None
         if region is None:
-            part = as_bytes(pack(bucket, leaves, device, copy=False, divisor=divisor))
+            part = as_bytes(pack(bucket, leaves, device, copy=False, divisor=divisor,
+                                 stacked=stacked if whole else None))
             dest[bucket.offset:bucket.offset + part.numel()].copy_(part)
             continue
-        items = leaves if bucket.take is None else bucket.take(leaves)
-        if len(items) == 1:
-            value = items[0].item() if bucket.mode == "scalars" else items[0]
-            region[0] = value / divisor if divisor is not None else value
-            continue
-        values = list(map(_item, items)) if bucket.mode == "scalars" else items
+        if whole:
+            values: Any = stacked
+        else:
+            items = leaves if bucket.take is None else bucket.take(leaves)
+            if len(items) == 1:
+                value = items[0].item() if bucket.mode == "scalars" else items[0]
+                region[0] = value / divisor if divisor is not None else value
+                continue
+            values = list(map(_item, items)) if bucket.mode == "scalars" else items
         if bucket.perm is None:
             region[:] = values
         else:
@@ -230,7 +243,7 @@ def _write(dest: Tensor, parts: Sequence[Tuple[int, Tensor]]) -> None:
 
 # ---------------------------------------------------------------------------------------------- gathers
 def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], header: bool,
-             stacked: Optional[Tensor] = None) -> Row:
+             stacked: Optional[Values] = None) -> Row:
     """This rank's row (raises what packing or pickling raises, or ValueError for a row too long for one
     call): written straight into the payload of the group's header row (``words``, when ``header``) when it
     fits there, else as parts. ``stacked``: as for ``pack_reduce``."""

@@ -14,7 +14,10 @@ _ATTR = "_fabriclite_collectives"
 
 class Strategy(Protocol):
     """What the collectives need of a strategy: where this rank is, its groups, and the flat primitives
-    (``fabriclite.strategies.base.Strategy`` documents their contract). The collectives import no strategy."""
+    (``fabriclite.strategies.base.Strategy`` documents their contract). The collectives import no strategy.
+    Optional, looked up with ``getattr``: ``flat_all_gather_into_async(out, tensor, group)`` starts
+    ``flat_all_gather_into`` and returns the function that waits for it and returns ``out`` (DDPStrategy has it):
+    the header exchange then runs while an all_gather finds its result buffer."""
 
     root_device: torch.device
     world_size: int

@@ -11,10 +11,13 @@ nested tuple that compares equal for two collections of the same shape, containe
 a cache; the spec cache keys by it and by a signature of the leaves (type, dtype, shape, device of every leaf;
 one entry when they are all alike), so anything that changes a digest or a bucket changes the key.
 
-The common case, many 0-d tensors of one dtype on one device (a dict of metrics), costs one pass: ``SpecCache.find``
-looks the structure up alone, compares the leaves' dtypes with the cached spec's (the one pass) and reads every
-value with one ``torch.stack``, which also checks that every leaf is a tensor of the same shape on the same device;
-the stacked values (shape ``(n,)``: every leaf 0-d) go on to packing. Anything else falls back to the full key.
+The common case, many 0-d tensors of one dtype on one device (a dict of metrics), costs one pass per property:
+``SpecCache.find`` looks the structure up alone and ``read_uniform`` compares the leaves with the cached spec and
+reads their values. On the CPU: the dtypes are compared in one pass, the devices and the dims checked in one
+pass each, and the values read by ``item()`` into a list (a Python number per leaf, in the caller's order: what
+numpy writes into the wire row with one assignment). On another device, where an ``item()`` per leaf would wait
+for the device each time, one ``torch.stack`` reads the values and checks that every leaf is a tensor of the same
+shape on the same device. Anything else falls back to the full key.
 """
 from __future__ import annotations
 
@@ -24,10 +27,12 @@ import operator
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from fabriclite.collectives.buffers import tensor_check
 
 #: the structure of a single leaf
 LEAF = 0
@@ -47,9 +52,12 @@ _shape = operator.attrgetter("shape")
 _device = operator.attrgetter("device")
 _dim = Tensor.dim
 _is_cpu = operator.attrgetter("is_cpu")
+_item = Tensor.item
 _CPU = torch.device("cpu")
-#: from this many 0-d tensors of one dtype and device, ``SpecCache.find`` checks and reads them with one stack
+#: from this many 0-d tensors of one dtype and device, ``SpecCache.find`` checks and reads them in one go
 STACK_MIN = 2
+#: the values of a uniform collection (``read_uniform``): a list of Python numbers (CPU) or an ``(n,)`` tensor
+Values = Union[List[Any], Tensor]
 
 
 # ---------------------------------------------------------------------------------------------- flatten
@@ -205,6 +213,9 @@ class Spec:
         #: and that dtype once per leaf (what ``find`` compares the leaves' dtypes with)
         self.uniform: Optional[Tuple[torch.dtype, torch.device]] = None
         self.dtypes: List[torch.dtype] = []
+        #: of a uniform Spec: ``buffers.tensor_check`` of the leaves it was last looked up with (set by
+        #: ``SpecCache``), which ``read_uniform`` runs instead of its Python passes; None: the passes
+        self.check: Optional[Callable[..., bool]] = None
         first = self.leaves[0] if self.leaves else None
         if (len(self.leaves) >= STACK_MIN and first is not None and first.kind == TENSOR and first.shape == ()
                 and all(leaf == first for leaf in self.leaves)):
@@ -263,47 +274,47 @@ class SpecCache:
         self._specs: "OrderedDict[Any, Spec]" = OrderedDict()
         self._uniform: "OrderedDict[Any, Spec]" = OrderedDict()
 
-    def take_apart(self, data: Any, mode: str) -> Tuple[Tree, List[Any], Spec, Optional[Tensor]]:
+    def take_apart(self, data: Any, mode: str) -> Tuple[Tree, List[Any], Spec, Optional[Values]]:
         """Stage 1 in one call: ``flatten(data)`` and ``find``. A plain dict whose structure (its keys, in
-        order) last held uniform leaves is looked up by its keys alone, without walking it: ``torch.stack``
-        then proves that every value is still a leaf (a container is not a tensor)."""
+        order) last held uniform leaves is looked up by its keys alone, without walking it: ``read_uniform``
+        then proves that every value is still a leaf (a container has no tensor dtype)."""
         if type(data) is dict:
             leaves = list(data.values())
             tree: Tree = (MAPPING, dict, tuple(data), None, None)  # what flatten gives for a dict of leaves
             spec = self._uniform.get(tree) if self._uniform else None
             if spec is not None:
-                stacked = stack_uniform(spec, leaves)
-                if stacked is not None:
+                values = read_uniform(spec, leaves)
+                if values is not None:
                     if mode not in spec.digests:
                         spec.digest(mode)
-                    return tree, leaves, spec, stacked
+                    return tree, leaves, spec, values
             if _all_leaves(leaves):
                 return tree, leaves, self._known(tree, leaves, mode), None
         tree, leaves = flatten(data)
         spec, stacked = self.find(tree, leaves, mode)
         return tree, leaves, spec, stacked
 
-    def find(self, tree: Tree, leaves: Sequence[Any], mode: str) -> Tuple[Spec, Optional[Tensor]]:
-        """``(spec, stacked)``: the Spec of ``tree`` holding ``leaves`` (as ``get``), and, when the last Spec of
+    def find(self, tree: Tree, leaves: Sequence[Any], mode: str) -> Tuple[Spec, Optional[Values]]:
+        """``(spec, values)``: the Spec of ``tree`` holding ``leaves`` (as ``get``), and, when the last Spec of
         ``tree`` was uniform (STACK_MIN or more 0-d tensors of one dtype on one device) and ``leaves`` still are
-        (their dtypes compared in one pass, their shapes and device checked by ``torch.stack`` itself), the
-        leaves' values stacked in the caller's order (a new tensor); else None."""
+        (``read_uniform``), the leaves' values in the caller's order; else None."""
         try:
             spec = self._uniform.get(tree)
         except TypeError:  # an unhashable structure (a dict key or default_factory): never cached
             spec = None
         if spec is not None:
-            stacked = stack_uniform(spec, leaves)
-            if stacked is not None:
+            values = read_uniform(spec, leaves)
+            if values is not None:
                 if mode not in spec.digests:
                     spec.digest(mode)
-                return spec, stacked
+                return spec, values
         return self._known(tree, leaves, mode), None
 
     def _known(self, tree: Tree, leaves: Sequence[Any], mode: str) -> Spec:
         """``get``, remembering a uniform Spec as its structure's last one."""
         spec = self.get(tree, leaves, mode)
         if spec.uniform is not None:
+            spec.check = tensor_check(leaves)  # these leaves, as they are now (requires_grad included)
             try:
                 self._uniform[tree] = spec
             except TypeError:
@@ -337,18 +348,31 @@ class SpecCache:
         self._uniform.clear()
 
 
-def stack_uniform(spec: Spec, leaves: Sequence[Any]) -> Optional[Tensor]:
-    """The leaves' values as one ``(n,)`` tensor when they match the uniform ``spec`` (every leaf a 0-d tensor of
-    its dtype on its device), else None. One pass compares the dtypes (a leaf without one, or with another, fails
-    it); ``torch.stack`` reads the values and checks the rest: a non-tensor leaf raises, a shape that differs from
-    the others raises, a device that differs from the others raises, and the result's shape and device tell
-    whether the common shape is 0-d and the common device the spec's."""
+def read_uniform(spec: Spec, leaves: Sequence[Any]) -> Optional[Values]:
+    """The leaves' values in the caller's order when they match the uniform ``spec`` (every leaf a 0-d tensor of
+    its dtype on its device), else None. ``spec.check`` (one C++ pass: each leaf a tensor of the type, dtype,
+    device, shape, strides, requires_grad and dispatch keys of the leaves the spec was last found with) proves
+    it where torch has that check; else one Python pass compares the dtypes (a leaf without one, or with
+    another, fails it), and on the CPU one pass checks the devices and one the dims. On the CPU ``item()`` then
+    reads each value: a list of Python numbers. Elsewhere ``torch.stack`` reads the values (and checks the
+    shapes and devices again: a non-tensor leaf raises, a shape or device that differs from the others raises,
+    and the result's shape and device tell whether the common shape is 0-d and the device the spec's): an
+    ``(n,)`` tensor."""
     uniform = spec.uniform
     if uniform is None or len(leaves) != len(spec.dtypes):
         return None
+    cpu = uniform[1].type == "cpu"
     try:
-        if list(map(_dtype, leaves)) != spec.dtypes:
+        check = spec.check
+        if check is not None:
+            if not check(*leaves):
+                return None
+        elif list(map(_dtype, leaves)) != spec.dtypes:
             return None
+        elif cpu and (not all(map(_is_cpu, leaves)) or any(map(_dim, leaves))):
+            return None
+        if cpu:
+            return list(map(_item, leaves))
         stacked = torch.stack(leaves)  # type: ignore[arg-type]
     except (AttributeError, TypeError, RuntimeError, ValueError):
         return None
@@ -356,4 +380,3 @@ def stack_uniform(spec: Spec, leaves: Sequence[Any]) -> Optional[Tensor]:
             or stacked.layout != torch.strided):
         return None
     return stacked
-

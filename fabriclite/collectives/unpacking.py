@@ -15,14 +15,14 @@ import copy
 import io
 import math
 import pickle
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from fabriclite.collectives.autograd import attach_gather_grads
-from fabriclite.collectives.buffers import DETACH_BYTES, POOL_MIN_LEAVES, SKELETON_AT, Slot, pool_of
+from fabriclite.collectives.buffers import DETACH_BYTES, POOL_MIN_LEAVES, SKELETON_AT, Slot, pool_of, stacked_slot
 from fabriclite.collectives.header import Gathered
 from fabriclite.collectives.plans import Bucket, GatherPlan, Layout, Plan, align
 from fabriclite.collectives.state import Context
@@ -112,16 +112,24 @@ def _into_callers(plan: Plan, bucket: Bucket, leaves: Sequence[Any], pieces: Seq
 
 # ---------------------------------------------------------------------------------------------- gathers
 def gathered(ctx: Context, spec: Spec, plan: GatherPlan, leaves: Sequence[Any], got: Gathered, tree: Tree,
-             data: Any, sync_grads: bool) -> Any:
+             data: Any, sync_grads: bool, slots: Optional[Dict[Any, Any]] = None) -> Any:
     """An all_gather's result: ``data`` rebuilt with every rank's leaves, stacked ``(size, *shape)`` for fixed
     leaves, concatenated for var tensors, lists for objects (one process without process groups: no stacking
-    dim). ``sync_grads``: differentiable outputs for the inputs that require grad."""
+    dim). ``sync_grads``: differentiable outputs for the inputs that require grad. ``slots``: per bucket index,
+    its result buffer found beforehand (``buffers.stacked_slot``), and under "result" the result built around
+    its views (one bucket holding every leaf): only the values are written then."""
     layout = plan.layout
+    early = slots.get("result") if slots else None
+    if early is not None:
+        assert slots is not None and got.slot is None
+        _split_stacked(got.regions[0], layout.buckets[0], slots[0])
+        return early
     outs: List[Any] = list(leaves)
     shapes: List[List[Tuple[int, ...]]] = [[] for _ in layout.var_ids]
     with torch.no_grad():
         for k, bucket in enumerate(layout.buckets):
-            pieces = got.slot.views if got.slot is not None else _split_stacked(got.regions[k], bucket)
+            pieces = (got.slot.views if got.slot is not None
+                      else _split_stacked(got.regions[k], bucket, slots.get(k) if slots else None))
             outs = _place_results(outs, bucket, pieces)
             if bucket.elsewhere[ctx.device]:
                 _to_devices(outs, bucket.ids, bucket.devices, ctx.device)
@@ -179,12 +187,14 @@ def _rank_leaves(spec: Spec, layout: Layout, row: Tensor) -> Tuple[List[Tensor],
     return tensors, objects
 
 
-def _split_stacked(region: Tensor, bucket: Bucket) -> Sequence[Tensor]:
-    """A gathered bucket ``(size, numel)`` as one contiguous ``(size, *shape)`` tensor per leaf."""
+def _split_stacked(region: Tensor, bucket: Bucket, slot: Optional[Slot] = None) -> Sequence[Tensor]:
+    """A gathered bucket ``(size, numel)`` as one contiguous ``(size, *shape)`` tensor per leaf (a 0-d bucket of
+    POOL_MIN_LEAVES or more: views of its result buffer ``slot``, found now when not given)."""
     size = region.shape[0]
     if bucket.scalar:
         if len(bucket.ids) >= POOL_MIN_LEAVES:  # one copy into a reused (leaves, size) buffer, its views handed out
-            slot = pool_of(bucket, "stacked").acquire((len(bucket.ids), size), region.dtype, region.device)
+            if slot is None:
+                slot = stacked_slot(bucket, size, region.device)
             if bucket.perm is not None:  # columns to the caller's order (contiguous rows: fast), then transposed
                 scratch = bucket.cache.get("gather scratch")
                 if scratch is None or scratch.shape != region.shape or scratch.device != region.device:

@@ -347,6 +347,17 @@ class DDPStrategy(ParallelStrategy):
         self._call("all_gather", _ALL_GATHER_FLAT, out.view(-1), tensor.reshape(-1).contiguous(), group=group)
         return out
 
+    def flat_all_gather_into_async(self, out: Tensor, tensor: Tensor, group: Any = None) -> Callable[[], Tensor]:
+        """``flat_all_gather_into`` started; returns the function that waits for it (raising as ``_call`` does)
+        and returns ``out``, so that the caller can work while the backend moves the data."""
+        wait = self._call_async("all_gather", _ALL_GATHER_FLAT, out.view(-1), tensor.reshape(-1).contiguous(),
+                                group=group)
+
+        def done() -> Tensor:
+            wait()
+            return out
+        return done
+
     def flat_broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
         self._call("broadcast", dist.broadcast, tensor, src, group=group)
         return tensor

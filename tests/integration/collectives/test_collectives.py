@@ -193,6 +193,40 @@ def test_kept_results_never_change(pool2):
         assert big == [0.0, 2.0, 4.0, 6.0]
 
 
+def _gathered_results_are_fresh(fabric):
+    """all_gather of many 0-d leaves (keys whose sorted order is not the caller's): its result buffer is found and
+    its result built while the header is exchanged; results kept are never changed, dropped ones are reused, and a
+    result someone made require grad never comes back requiring it."""
+    rank = fabric.global_rank
+    keys = [f"k{i}" for i in range(20)]  # sorted: k0, k1, k10, ...: the wire order differs from the caller's
+    def call(step):
+        return fabric.all_gather({k: torch.tensor(100.0 * step + 10 * rank + i) for i, k in enumerate(keys)})
+    kept = [call(step) for step in range(2)]  # two of the pool's three buffers stay in use
+    ids = None
+    for step in range(5, 9):  # dropped at once: the same views come back, with the new values
+        out = call(step)
+        assert list(out) == keys
+        assert [out[k].tolist() for k in keys] == [[100.0 * step + i, 100.0 * step + 10 + i] for i in range(20)]
+        now = [id(v) for v in out.values()]
+        assert ids is None or now == ids, step
+        ids = now
+        del out
+    out = call(9)
+    out["k7"].requires_grad_()
+    del out
+    fresh = call(10)
+    grads = [v.requires_grad for v in fresh.values()]
+    return ([[d[k].tolist() for k in ("k0", "k7", "k19")] for d in kept], grads, [id(v) for v in fresh.values()] == ids,
+            fresh["k19"].tolist())
+
+
+def test_kept_gathered_results_never_change(pool2):
+    for kept, grads, reused, last in pool2.run(_gathered_results_are_fresh):
+        assert kept == [[[100.0 * s, 100.0 * s + 10], [100.0 * s + 7, 100.0 * s + 17], [100.0 * s + 19, 100.0 * s + 29]]
+                        for s in range(2)]
+        assert not any(grads) and not reused and last == [1019.0, 1029.0]
+
+
 def _groups(fabric):
     rank = fabric.global_rank
     strategy = fabric.strategy

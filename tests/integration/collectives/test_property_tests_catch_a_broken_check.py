@@ -1,7 +1,7 @@
 """The property tests guard the structure check: with the check broken on purpose, both property files fail.
 
 What is broken is the per-call check that the leaves still match the cached structure (``structure.signature``,
-the key of the spec cache, and ``structure.stack_uniform``, the one-pass check of a uniform collection): the
+the key of the spec cache, and ``structure.read_uniform``, the one-pass check of a uniform collection): the
 patched key sees only how many leaves there are, and the patched uniform check stacks the leaves without
 comparing their dtypes, so a collection whose dtypes or shapes changed is packed with a stale plan. The
 patch is made by a ``sitecustomize`` module on the ``PYTHONPATH`` of a child pytest, so that it applies in the
@@ -38,7 +38,7 @@ BREAK = textwrap.dedent("""
             return stacked.to(spec.uniform[0]) if stacked.dim() == 1 else None  # dtypes never compared
 
         structure.signature = blind_signature
-        structure.stack_uniform = careless_stack
+        structure.read_uniform = careless_stack
         os.environ["FABRICLITE_TEST_BROKEN_CHECK_APPLIED"] = "1"
 """)
 

@@ -212,14 +212,50 @@ def test_pool_reuses_views_only_when_nothing_else_can_see_them():
     assert [id(v) for v in pool.views(torch.tensor([0.0, 0.0]))] != ids
 
 
-def test_pool_skips_views_someone_made_require_grad():
+@pytest.fixture(params=["C++ check", "Python check"])
+def checks(request, monkeypatch):
+    """The pool's and the uniform read's checks both ways: torch's one-pass C++ check (TensorGuards) where this
+    torch has it, and the Python passes used where it does not."""
+    from fabriclite.collectives import buffers
+
+    if request.param == "C++ check":
+        if buffers._TensorGuards is None:
+            pytest.skip("this torch has no torch._C._dynamo.guards.TensorGuards")
+    else:
+        monkeypatch.setattr(buffers, "_TensorGuards", None)
+    return request.param
+
+
+@pytest.mark.parametrize("n", [2, 1000])
+def test_pool_skips_views_someone_made_require_grad(checks, n):
+    """The guarantee the pool's check keeps: a reused view never comes back requiring grad (whichever of
+    the views got it), and a free slot's views do come back (the check is not just always false)."""
     pool = Pool()
-    views = pool.views(torch.tensor([1.0, 2.0]))
-    views[0].requires_grad_()
+    views = pool.views(torch.arange(float(n)))
     ids = [id(v) for v in views]
     del views
-    again = pool.views(torch.tensor([3.0, 4.0]))
-    assert [id(v) for v in again] != ids and not any(v.requires_grad for v in again)
+    again = pool.views(torch.arange(float(n)) + 1)  # nothing happened to them: the same views come back
+    assert [id(v) for v in again] == ids and again[-1].item() == n
+    for k in (0, n - 1):
+        again[k].requires_grad_()
+        del again
+        again = pool.views(torch.arange(float(n)) + 2)
+        assert [id(v) for v in again] != ids and not any(v.requires_grad for v in again), k
+        assert [v.item() for v in again] == [float(i + 2) for i in range(n)]
+        ids = [id(v) for v in again]
+
+
+def test_pool_skips_views_whose_dims_changed_in_place(checks):
+    """With the C++ check, a view whose number of dims changed in place (``unsqueeze_``) is not reused either."""
+    if checks != "C++ check":
+        pytest.skip("the Python check looks at requires_grad only")
+    pool = Pool()
+    views = pool.views(torch.zeros(10))
+    views[3].unsqueeze_(0)
+    ids = [id(v) for v in views]
+    del views
+    again = pool.views(torch.ones(10))
+    assert [id(v) for v in again] != ids and all(v.dim() == 0 for v in again)
 
 
 def test_collectives_module_keeps_its_public_names():
@@ -227,9 +263,10 @@ def test_collectives_module_keeps_its_public_names():
         assert callable(getattr(collectives, name))
 
 
-def test_a_uniform_collection_is_checked_by_one_stack():
-    """The one-pass key of a uniform collection: found by its structure, its dtypes compared, its values
-    stacked; any change of a leaf's dtype, shape, type or container falls back to the full key."""
+def test_a_uniform_collection_is_checked_in_one_pass_per_property(checks):
+    """The one-pass key of a uniform collection: found by its structure, its dtypes, devices and dims compared,
+    its values read (on the CPU: Python numbers, by ``item()``); any change of a leaf's dtype, shape, device,
+    type or container falls back to the full key."""
     from fabriclite.collectives.structure import SpecCache
 
     cache = SpecCache()
@@ -238,11 +275,14 @@ def test_a_uniform_collection_is_checked_by_one_stack():
     assert stacked is None and spec.uniform == (torch.float32, torch.device("cpu"))  # first sight: the full key
     tree2, leaves2, spec2, stacked2 = cache.take_apart(dict(base), "reduce")
     assert spec2 is spec and tree2 == tree and stacked2 is not None
-    assert stacked2.tolist() == [float(i) for i in range(5)]
+    assert stacked2 == [float(i) for i in range(5)]
     changed = {
         "dtype": torch.tensor(1.0, dtype=torch.float64),
         "shape": torch.ones(1),
+        "shape 2-d": torch.ones(1, 1),
+        "device": torch.tensor(1.0, device="meta"),
         "type": 1.0,
+        "dtype-like object": type("FakeLeaf", (), {"dtype": torch.float32, "is_cpu": True})(),
         "container": {"x": torch.tensor(1.0)},
         "int": torch.tensor(1),
     }
@@ -255,3 +295,17 @@ def test_a_uniform_collection_is_checked_by_one_stack():
         else:
             assert other.uniform is None, what
     assert cache.take_apart(dict(base), "reduce")[3] is not None  # and back
+
+
+def test_a_uniform_collection_whose_leaves_require_grad_is_read_after_one_full_lookup(checks):
+    """The uniform check compares requires_grad too (C++ check): leaves that now require grad go through the full
+    key once, which makes the check again from them; the values read are the leaves' values either way."""
+    from fabriclite.collectives.structure import SpecCache
+
+    cache = SpecCache()
+    base = {f"m{i}": torch.tensor(float(i)) for i in range(5)}
+    cache.take_apart(base, "reduce")
+    grad = {k: v.clone().requires_grad_() for k, v in base.items()}
+    first = cache.take_apart(grad, "reduce")[3]
+    assert (first is None) == (checks == "C++ check")
+    assert cache.take_apart(grad, "reduce")[3] == [float(i) for i in range(5)]
