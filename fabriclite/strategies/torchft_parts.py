@@ -19,6 +19,7 @@ import torch
 import torch._dynamo  # noqa: F401 - see build_manager
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import AllreduceOptions
 from torch.optim import Optimizer
 from torchft.checkpointing.pg_transport import PGTransport
 from torchft.ddp import DistributedDataParallel
@@ -38,7 +39,7 @@ def build_manager(options: LiveOptions, group_rank: int, group_world_size: int, 
     initial state (the others heal from it at step 0)."""
     pg = ProcessGroupGloo(timeout=timeout)
     transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
-    return Manager(
+    return ReplicaManager(
         pg=pg, load_state_dict=None, state_dict=None, min_replica_size=options.min_replicas, use_async_quorum=True,
         timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, rank=group_rank,
         world_size=group_world_size, store_addr=store_address, store_port=store_port,
@@ -62,22 +63,80 @@ def finish_heal(manager: Manager) -> bool:
     return True
 
 
+class ReplicaManager(Manager):
+    """torchft's Manager; with one rank per replica group, ``should_commit`` decides locally (module docstring)."""
+
+    def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
+        """Whether this step commits (a quorum of at least ``min_replica_size`` groups and no error recorded); as
+        torchft's, but a group of one rank takes its own vote instead of sending it to its ManagerServer and
+        waiting for the answer (the server's vote only gathers the group's ranks: with one, it returns the vote)."""
+        if self._group_world_size != 1 or torch.accelerator.is_available():
+            return super().should_commit(timeout)
+        self._quorum_future.result()  # type: ignore[union-attr]  # start_quorum ran (the optimizer's zero_grad)
+        if err := self._pg.errored():
+            self.report_error(err)
+        if self._healing:
+            self._apply_pending_state_dict()
+        participants = self._participating_replica_world_size
+        should_commit = participants >= self._min_replica_size and self._errored is None
+        self._checkpoint_transport.disallow_checkpoint()
+        if should_commit:
+            self._step += 1
+            self._batches_committed += participants
+            self._commit_failures = 0
+        else:
+            self._commit_failures += 1
+            if self._max_retries is not None and self._commit_failures > self._max_retries:
+                raise RuntimeError(f"should_commit failed {self._commit_failures} times consecutively, exceeding "
+                                   f"max_retries={self._max_retries}")
+        return should_commit
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
 class ReplicaDDP(DistributedDataParallel):
-    """torchft's DDP (gradients averaged across the quorum's groups) with the comm hook fixed (module docstring)."""
+    """torchft's DDP (gradients averaged across the quorum's groups) with its own comm hook (module docstring)."""
 
     def __init__(self, manager: Manager, module: nn.Module) -> None:
         super().__init__(manager, module)
 
     @staticmethod
     def _comm_hook(state: Manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        work = state.allreduce(bucket.buffer())
-        work.wait()
-        future = work.get_future()
-        inner = getattr(future, "_fut", future)  # a managed future's result; a dummy work's future is plain
-        if inner is None:  # the all-reduce failed: the Manager recorded it, the step will not commit
-            inner = torch.futures.Future()
-            inner.set_result(bucket.buffer())
-        return inner
+        """The bucket summed over the quorum's groups on the Manager's process group, then divided by their
+        number (torchft's ``Manager.allreduce``: a group that is healing contributes zeros), returned as a
+        future the reducer waits for at the end of backward. An error (a peer died inside the all-reduce) is
+        recorded on the Manager, which then does not commit the step, and completes the future with the bucket
+        as it is; once an error is recorded, later buckets are not sent."""
+        buffer = bucket.buffer()
+        if state._errored is not None:
+            return _done(buffer)
+        state._quorum_future.result()  # type: ignore[union-attr]  # the quorum start_quorum began
+        participants = state._participating_replica_world_size
+        if not state.is_participating():
+            buffer.zero_()
+        try:
+            options = AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            work = state._pg.allreduce([buffer], options)
+        except Exception as err:  # noqa: BLE001 - the process group is broken: the step must not commit
+            state.report_error(err)
+            return _done(buffer)
+
+        def average(future: torch.futures.Future[Any]) -> torch.Tensor:
+            try:
+                future.wait()
+            except Exception as err:  # noqa: BLE001 - a peer failed inside the all-reduce
+                state.report_error(err)
+                return buffer
+            if participants > 1:
+                buffer.div_(participants)
+            return buffer
+
+        return work.get_future().then(average)
 
 
 class ReplicaOptimizer(OptimizerWrapper):
