@@ -270,12 +270,76 @@ def stop_the_world(logs: List[StepLog], killed: int) -> float:
     return next(t for _, t, _ in witness.rows if t > round1) - died
 
 
+NOTES = "<!-- notes: written by hand, kept by `--part live` when it rewrites the tables above -->"
+
+
+def write_live(results: Results, args: argparse.Namespace, got: Dict[str, object]) -> None:
+    """``--part live``: the steady-state rows (and, without ``--steady-only``, the 3 x 1 kill rows) with each
+    repeat's figure, into benchmarks/results/fault_tolerance.md; the hand-written notes below NOTES are kept."""
+    med = statistics.median
+    ft_rate, ddp_rate, hand = got["ft_rate"], got["ddp_rate"], got["hand"]
+    big_ft, big_ddp, big_hand = got["big_ft"], got["big_ddp"], got["big_hand"]
+
+    def runs(rates: List[float]) -> str:
+        return ", ".join(f"{r:.2f}" for r in rates)
+
+    def extras(ft: List[float], ddp: List[float]) -> str:
+        return ", ".join(f"{(1 / a - 1 / b) * 1e3:.1f}" for a, b in zip(ft, ddp))
+
+    rows = [
+        ("tiny MLP (16-32-32-1, batch 32), 3 nodes x 1 rank, no fault: steps/s, `--fault-tolerant` / plain `ddp`",
+         f"{med(ft_rate):.1f} / {med(ddp_rate):.1f} = **{med(ft_rate) / med(ddp_rate):.2f}x**"),
+        ("... extra time per step (1/ft - 1/ddp of the medians; each repeat's, in run order)",
+         f"**{(1 / med(ft_rate) - 1 / med(ddp_rate)) * 1e3:.1f} ms** ({extras(ft_rate, ddp_rate)})"),
+        ("... torchft by hand (BY_HAND): steps/s, its extra time per step, and `--fault-tolerant` / by hand",
+         f"{med(hand):.1f}; {(1 / med(hand) - 1 / med(ddp_rate)) * 1e3:.1f} ms; "
+         f"**{floor_ratio(med(ft_rate), med(hand))}**"),
+        ("... each repeat's steps/s: ft; ddp; by hand", f"{runs(ft_rate)}; {runs(ddp_rate)}; {runs(hand)}"),
+        ("larger MLP (16-1024-1024-1, batch 512), same layout: steps/s, `--fault-tolerant` / plain `ddp`",
+         f"{med(big_ft):.2f} / {med(big_ddp):.2f} = **{med(big_ft) / med(big_ddp):.2f}x**"),
+        ("... extra time per step (1/ft - 1/ddp of the medians; each repeat's)",
+         f"**{(1 / med(big_ft) - 1 / med(big_ddp)) * 1e3:.1f} ms** ({extras(big_ft, big_ddp)})"),
+        ("... torchft by hand: steps/s, its extra time per step, and `--fault-tolerant` / by hand",
+         f"{med(big_hand):.2f}; {(1 / med(big_hand) - 1 / med(big_ddp)) * 1e3:.1f} ms; "
+         f"**{floor_ratio(med(big_ft), med(big_hand))}**"),
+        ("... each repeat's steps/s: ft; ddp; by hand", f"{runs(big_ft)}; {runs(big_ddp)}; {runs(big_hand)}"),
+    ]
+    if not args.steady_only:
+        rows += [
+            (f"node 2 SIGKILLed at step {KILL_STEP}: healthy nodes' longest gap between committed steps",
+             f"{med(got['gaps']):.2f} s"),
+            ("... the failed node's new process start -> its first committed step (healed from a peer)",
+             f"{med(got['heal']):.2f} s"),
+            ("... the kill -> the failed node's first committed step (detection, 0.05 s backoff, restart, heal)",
+             f"{med(got['kill_to_step']):.2f} s"),
+            ("stop-the-world on the same 3 x 1 job (plain ddp, `--max-restarts 1`, 0.05 s backoff): the kill -> "
+             "the new round's first step", f"{med(got['stw']):.2f} s"),
+        ]
+    body = "\n".join(["| What | Measured |", "|---|---|", *[f"| {a} | {b} |" for a, b in rows]])
+    path = results.path()
+    notes = ""
+    if os.path.exists(path):
+        old = Path(path).read_text()
+        notes = old[old.index(NOTES):] if NOTES in old else ""
+    order = "each repeat: ddp, ft, ddp (larger), ft (larger), by hand, by hand (larger)"
+    results.write(body + ("\n\n" + notes if notes else ""), extra=[
+        ("interpreter", "the ft lane's: `$(bash scripts/backend_env.sh ft --path)/bin/python`"), ("torchft", "0.2.0"),
+        ("jobs", f"{args.repeats} interleaved repeat(s) ({order}), medians; {STEPS} steps per job ({BIG_STEPS} "
+                 "with the larger MLP), steps/s of node 0 after 20 warm-up steps")])
+    print(body)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=1, help="repeats of each job (medians are reported)")
     parser.add_argument("--restart-only", action="store_true",
                         help="only the 2-rank stop-the-world breakdown, printed (no results file; no torchft needed)")
+    parser.add_argument("--part", choices=("all", "live"), default="all",
+                        help="live: only the live-recovery rows (steady state, by hand, the 3 x 1 kills)")
+    parser.add_argument("--steady-only", action="store_true",
+                        help="with --part live: only the steady-state rows (--fault-tolerant, plain ddp, by hand)")
     args = parser.parse_args()
+    live, steady = args.part == "live", args.part == "live" and args.steady_only
     if args.restart_only:
         parts = [restart_2ranks() for _ in range(args.repeats)]
         print(breakdown_table(parts))
@@ -297,11 +361,17 @@ def main() -> None:
             big_ft.append(steps_per_s(job(Path(tmp) / "bigft", True, BIG, steps=BIG_STEPS)[0]))
             hand.append(by_hand({}, STEPS))
             big_hand.append(by_hand(BIG, BIG_STEPS))
+            if steady:
+                continue
             gap, to_step, from_kill = fault_figures(job(Path(tmp) / "ftkill", True, kill, ["--max-restarts", "1"]), 2)
             gaps.append(gap), heal.append(to_step), kill_to_step.append(from_kill)
             stw.append(stop_the_world(job(Path(tmp) / "ddpkill", False, {**kill, "FT_WAIT_BACK": ""},
                                           ["--max-restarts", "1"]), 2))
-        restart2.append(restart_2ranks())
+        if not live:
+            restart2.append(restart_2ranks())
+    if live:
+        write_live(results, args, locals())
+        return
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "costs.py")
         with open(script, "w") as f:

@@ -1,19 +1,29 @@
 """torchft's parts as the fault_tolerant strategy uses them. Importing this module imports torchft (pinned to
 0.2.0 by the ``fabriclite[ft]`` extra); only ``fabriclite.strategies.fault_tolerant`` imports it, on first use.
 
-Two fixes of torchft 0.2 live here, each the smallest subclass that works:
+Fixes of torchft 0.2, each the smallest subclass or setting that works (their measured effect per step:
+benchmarks/results/fault_tolerance.md, benchmarks/ft_cuts.py):
 
-- :class:`ReplicaDDP`: when a peer dies inside the gradient all-reduce, gloo raises in the wait; torchft's managed
-  work records the error but leaves its inner future unset (later buckets get a dummy work instead), and
-  torchft's comm hook asserts on it, so every survivor crashed. Here the hook then returns a completed future
-  holding the bucket: the Manager has recorded the error, the step is not committed and the script retries it.
+- :class:`ReplicaDDP`'s comm hook sends the bucket on the Manager's process group (a sum, then a division by the
+  quorum's group count, as torchft's ``Manager.allreduce``) and returns the all-reduce's own future. torchft's hook
+  waited for each bucket inside the hook (no overlap of the all-reduce with the rest of backward), through a
+  managed work, a chain of futures and a timeout registered on a separate asyncio thread (woken twice a bucket;
+  gloo's own timeout, the Manager's, bounds the all-reduce here). And when a peer dies inside the all-reduce,
+  gloo raises in the wait: torchft's managed work recorded the error but left its inner future unset, and its
+  comm hook asserted on it, so every survivor crashed. Here the error is recorded on the Manager, the future
+  completes with the bucket as it is, the step is not committed and the script retries it.
+- :func:`plain_bucket_caps`: torchft's DDP keeps DDP's constructor buckets (``find_unused_parameters=True``
+  never rebuilds them), which put a large gradient in the bucket that waits for the first layer's; ReplicaDDP
+  asks for plain DDP's (rebuilt) layout instead, so the large all-reduce overlaps with the rest of backward.
+- :class:`ReplicaManager`: with one rank per replica group (what the strategy runs), ``should_commit`` takes
+  the group's vote locally instead of an RPC to the group's own ManagerServer, whose answer is that vote.
 - :func:`build_manager` imports ``torch._dynamo`` (which torchft's DDP wrapper imports lazily, ~1 s) before the
   Manager starts heartbeating, and uses the process-group checkpoint transport (torchft's HTTP transport
   advertises ``gethostname()``, which maps to 127.0.1.1 on Debian hosts, and binds IPv6 only).
 """
 # no ``from __future__ import annotations``: DDP checks the comm hook's annotations as objects
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch._dynamo  # noqa: F401 - see build_manager
@@ -98,11 +108,39 @@ def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return future
 
 
+#: plain DDP's bucket size limits (torch's defaults): the first bucket, then the others
+FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES
+BUCKET_BYTES = 25 * 2**20
+
+
+def plain_bucket_caps(module: nn.Module) -> List[float]:
+    """Per-bucket size limits (MiB, DDP's ``bucket_cap_mb_list``) that give the buckets plain DDP ends up with
+    after its first step, for gradients that become ready in reverse parameter order (the usual case): filled
+    from the last parameter on, each closed once it holds at least 1 MiB (the first) or 25 MiB (the others).
+    torchft's DDP runs with ``find_unused_parameters=True``, which keeps DDP's constructor buckets for good, and
+    those are cut the other way round: on the 16-1024-1024-1 MLP the 4 MiB weight waited in the last bucket
+    for the first layer's gradients, and its all-reduce could not overlap with the rest of backward."""
+    sizes = [p.numel() * p.element_size() for p in reversed(list(module.parameters())) if p.requires_grad]
+    buckets: List[int] = []
+    filled, limit = 0, FIRST_BUCKET_BYTES
+    for size in sizes:
+        filled += size
+        if filled >= limit:
+            buckets.append(filled)
+            filled, limit = 0, BUCKET_BYTES
+    if filled:
+        buckets.append(filled)
+    # DDP assigns from the first parameter on, closing a bucket once it reaches its limit, and reverses the list:
+    # a limit one byte under each bucket's size closes it at its last parameter
+    return [(size - 1) / 2**20 for size in reversed(buckets)]
+
+
 class ReplicaDDP(DistributedDataParallel):
-    """torchft's DDP (gradients averaged across the quorum's groups) with its own comm hook (module docstring)."""
+    """torchft's DDP (gradients averaged across the quorum's groups) with its own comm hook and plain DDP's
+    buckets (module docstring)."""
 
     def __init__(self, manager: Manager, module: nn.Module) -> None:
-        super().__init__(manager, module)
+        super().__init__(manager, module, bucket_cap_mb_list=plain_bucket_caps(module))
 
     @staticmethod
     def _comm_hook(state: Manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
