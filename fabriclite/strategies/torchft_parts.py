@@ -82,12 +82,14 @@ class ReplicaManager(Manager):
         waiting for the answer (the server's vote only gathers the group's ranks: with one, it returns the vote)."""
         if self._group_world_size != 1 or torch.accelerator.is_available():
             return super().should_commit(timeout)
-        self._quorum_future.result()  # type: ignore[union-attr]  # start_quorum ran (the optimizer's zero_grad)
+        participants = 0  # no quorum started (no zero_grad before this step): torchft's count, no commit
+        if self._quorum_future is not None:
+            self._quorum_future.result()
+            participants = self._participating_replica_world_size
         if err := self._pg.errored():
             self.report_error(err)
         if self._healing:
             self._apply_pending_state_dict()
-        participants = self._participating_replica_world_size
         should_commit = participants >= self._min_replica_size and self._errored is None
         self._checkpoint_transport.disallow_checkpoint()
         if should_commit:
@@ -152,7 +154,10 @@ class ReplicaDDP(DistributedDataParallel):
         buffer = bucket.buffer()
         if state._errored is not None:
             return _done(buffer)
-        state._quorum_future.result()  # type: ignore[union-attr]  # the quorum start_quorum began
+        if state._quorum_future is None:
+            raise RuntimeError("under --fault-tolerant, call optimizer.zero_grad() before the backward pass: it starts "
+                               "the step's quorum, which the gradient all-reduce needs.")
+        state._quorum_future.result()  # the quorum start_quorum began (raises as torchft's wait_quorum would)
         participants = state._participating_replica_world_size
         if not state.is_participating():
             buffer.zero_()
