@@ -1,24 +1,35 @@
 """torchft's parts as the fault_tolerant strategy uses them. Importing this module imports torchft (pinned to
 0.2.0 by the ``fabriclite[ft]`` extra); only ``fabriclite.strategies.fault_tolerant`` imports it, on first use.
 
-Two fixes of torchft 0.2 live here, each the smallest subclass that works:
+Fixes of torchft 0.2, each the smallest subclass or setting that works (their measured effect per step:
+benchmarks/results/fault_tolerance.md, benchmarks/ft_cuts.py):
 
-- :class:`ReplicaDDP`: when a peer dies inside the gradient all-reduce, gloo raises in the wait; torchft's managed
-  work records the error but leaves its inner future unset (later buckets get a dummy work instead), and
-  torchft's comm hook asserts on it, so every survivor crashed. Here the hook then returns a completed future
-  holding the bucket: the Manager has recorded the error, the step is not committed and the script retries it.
+- :class:`ReplicaDDP`'s comm hook sends the bucket on the Manager's process group (a sum, then a division by the
+  quorum's group count, as torchft's ``Manager.allreduce``) and returns the all-reduce's own future. torchft's hook
+  waited for each bucket inside the hook (no overlap of the all-reduce with the rest of backward), through a
+  managed work, a chain of futures and a timeout registered on a separate asyncio thread (woken twice a bucket;
+  gloo's own timeout, the Manager's, bounds the all-reduce here). And when a peer dies inside the all-reduce,
+  gloo raises in the wait: torchft's managed work recorded the error but left its inner future unset, and its
+  comm hook asserted on it, so every survivor crashed. Here the error is recorded on the Manager, the future
+  completes with the bucket as it is, the step is not committed and the script retries it.
+- :func:`plain_bucket_caps`: torchft's DDP keeps DDP's constructor buckets (``find_unused_parameters=True``
+  never rebuilds them), which put a large gradient in the bucket that waits for the first layer's; ReplicaDDP
+  asks for plain DDP's (rebuilt) layout instead, so the large all-reduce overlaps with the rest of backward.
+- :class:`ReplicaManager`: with one rank per replica group (what the strategy runs), ``should_commit`` takes
+  the group's vote locally instead of an RPC to the group's own ManagerServer, whose answer is that vote.
 - :func:`build_manager` imports ``torch._dynamo`` (which torchft's DDP wrapper imports lazily, ~1 s) before the
   Manager starts heartbeating, and uses the process-group checkpoint transport (torchft's HTTP transport
   advertises ``gethostname()``, which maps to 127.0.1.1 on Debian hosts, and binds IPv6 only).
 """
 # no ``from __future__ import annotations``: DDP checks the comm hook's annotations as objects
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch._dynamo  # noqa: F401 - see build_manager
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import AllreduceOptions
 from torch.optim import Optimizer
 from torchft.checkpointing.pg_transport import PGTransport
 from torchft.ddp import DistributedDataParallel
@@ -38,7 +49,7 @@ def build_manager(options: LiveOptions, group_rank: int, group_world_size: int, 
     initial state (the others heal from it at step 0)."""
     pg = ProcessGroupGloo(timeout=timeout)
     transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
-    return Manager(
+    return ReplicaManager(
         pg=pg, load_state_dict=None, state_dict=None, min_replica_size=options.min_replicas, use_async_quorum=True,
         timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, rank=group_rank,
         world_size=group_world_size, store_addr=store_address, store_port=store_port,
@@ -62,22 +73,113 @@ def finish_heal(manager: Manager) -> bool:
     return True
 
 
+class ReplicaManager(Manager):
+    """torchft's Manager; with one rank per replica group, ``should_commit`` decides locally (module docstring)."""
+
+    def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
+        """Whether this step commits (a quorum of at least ``min_replica_size`` groups and no error recorded); as
+        torchft's, but a group of one rank takes its own vote instead of sending it to its ManagerServer and
+        waiting for the answer (the server's vote only gathers the group's ranks: with one, it returns the vote)."""
+        if self._group_world_size != 1 or torch.accelerator.is_available():
+            return super().should_commit(timeout)
+        participants = 0  # no quorum started (no zero_grad before this step): torchft's count, no commit
+        if self._quorum_future is not None:
+            self._quorum_future.result()
+            participants = self._participating_replica_world_size
+        if err := self._pg.errored():
+            self.report_error(err)
+        if self._healing:
+            self._apply_pending_state_dict()
+        should_commit = participants >= self._min_replica_size and self._errored is None
+        self._checkpoint_transport.disallow_checkpoint()
+        if should_commit:
+            self._step += 1
+            self._batches_committed += participants
+            self._commit_failures = 0
+        else:
+            self._commit_failures += 1
+            if self._max_retries is not None and self._commit_failures > self._max_retries:
+                raise RuntimeError(f"should_commit failed {self._commit_failures} times consecutively, exceeding "
+                                   f"max_retries={self._max_retries}")
+        return should_commit
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+#: plain DDP's bucket size limits (torch's defaults): the first bucket, then the others
+FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES
+BUCKET_BYTES = 25 * 2**20
+
+
+def plain_bucket_caps(module: nn.Module) -> List[float]:
+    """Per-bucket size limits (MiB, DDP's ``bucket_cap_mb_list``) that give the buckets plain DDP ends up with
+    after its first step, for gradients that become ready in reverse parameter order (the usual case): filled
+    from the last parameter on, each closed once it holds at least 1 MiB (the first) or 25 MiB (the others).
+    torchft's DDP runs with ``find_unused_parameters=True``, which keeps DDP's constructor buckets for good, and
+    those are cut the other way round: on the 16-1024-1024-1 MLP the 4 MiB weight waited in the last bucket
+    for the first layer's gradients, and its all-reduce could not overlap with the rest of backward."""
+    sizes = [p.numel() * p.element_size() for p in reversed(list(module.parameters())) if p.requires_grad]
+    buckets: List[int] = []
+    filled, limit = 0, FIRST_BUCKET_BYTES
+    for size in sizes:
+        filled += size
+        if filled >= limit:
+            buckets.append(filled)
+            filled, limit = 0, BUCKET_BYTES
+    if filled:
+        buckets.append(filled)
+    # DDP assigns from the first parameter on, closing a bucket once it reaches its limit, and reverses the list:
+    # a limit one byte under each bucket's size closes it at its last parameter
+    return [(size - 1) / 2**20 for size in reversed(buckets)]
+
+
 class ReplicaDDP(DistributedDataParallel):
-    """torchft's DDP (gradients averaged across the quorum's groups) with the comm hook fixed (module docstring)."""
+    """torchft's DDP (gradients averaged across the quorum's groups) with its own comm hook and plain DDP's
+    buckets (module docstring)."""
 
     def __init__(self, manager: Manager, module: nn.Module) -> None:
-        super().__init__(manager, module)
+        super().__init__(manager, module, bucket_cap_mb_list=plain_bucket_caps(module))
 
     @staticmethod
     def _comm_hook(state: Manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        work = state.allreduce(bucket.buffer())
-        work.wait()
-        future = work.get_future()
-        inner = getattr(future, "_fut", future)  # a managed future's result; a dummy work's future is plain
-        if inner is None:  # the all-reduce failed: the Manager recorded it, the step will not commit
-            inner = torch.futures.Future()
-            inner.set_result(bucket.buffer())
-        return inner
+        """The bucket summed over the quorum's groups on the Manager's process group, then divided by their
+        number (torchft's ``Manager.allreduce``: a group that is healing contributes zeros), returned as a
+        future the reducer waits for at the end of backward. An error (a peer died inside the all-reduce) is
+        recorded on the Manager, which then does not commit the step, and completes the future with the bucket
+        as it is; once an error is recorded, later buckets are not sent."""
+        buffer = bucket.buffer()
+        if state._errored is not None:
+            return _done(buffer)
+        if state._quorum_future is None:
+            raise RuntimeError("under --fault-tolerant, call optimizer.zero_grad() before the backward pass: it starts "
+                               "the step's quorum, which the gradient all-reduce needs.")
+        state._quorum_future.result()  # the quorum start_quorum began (raises as torchft's wait_quorum would)
+        participants = state._participating_replica_world_size
+        if not state.is_participating():
+            buffer.zero_()
+        try:
+            options = AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            work = state._pg.allreduce([buffer], options)
+        except Exception as err:  # noqa: BLE001 - the process group is broken: the step must not commit
+            state.report_error(err)
+            return _done(buffer)
+
+        def average(future: torch.futures.Future[Any]) -> torch.Tensor:
+            try:
+                future.wait()
+            except Exception as err:  # noqa: BLE001 - a peer failed inside the all-reduce
+                state.report_error(err)
+                return buffer
+            if participants > 1:
+                buffer.div_(participants)
+            return buffer
+
+        return work.get_future().then(average)
 
 
 class ReplicaOptimizer(OptimizerWrapper):
