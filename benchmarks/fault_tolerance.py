@@ -204,8 +204,9 @@ NOTES = "<!-- notes: written by hand, kept by `--part live` when it rewrites the
 
 
 def write_live(results: Results, args: argparse.Namespace, got: Dict[str, object]) -> None:
-    """``--part live`` (and all): the steady-state rows (and, without ``--steady-only``, the 3 x 1 kill rows and the per-call costs) with each
-    repeat's figure, into benchmarks/results/fault_tolerance.md; the hand-written notes below NOTES are kept."""
+    """``--part live`` (and all): the steady-state rows (and, without ``--steady-only``, the 3 x 1 kill rows and
+    the per-call costs) with each repeat's figure, into benchmarks/results/fault_tolerance.md; the hand-written
+    notes below NOTES are kept."""
     med = statistics.median
     ft_rate, ddp_rate, hand = got["ft_rate"], got["ddp_rate"], got["hand"]
     big_ft, big_ddp, big_hand = got["big_ft"], got["big_ddp"], got["big_hand"]
