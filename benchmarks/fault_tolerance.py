@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))
@@ -124,28 +124,32 @@ def run_2ranks(args: List[str], env: Dict[str, str]) -> subprocess.CompletedProc
                            *args], env=full, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
-def by_hand(env: Dict[str, str], steps: int) -> float:
-    """torchft by hand (BY_HAND) on 3 local groups with its lighthouse: group 0's steps/s after 20 warm-up steps."""
+def start_lighthouse(port: int) -> subprocess.Popen:
+    """torchft's lighthouse on ``port`` with the settings fabriclite's supervisor gives it."""
     from fabriclite.supervision import lighthouse as lh
-    from helpers import free_port
 
-    port = free_port()
-    command = [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"), "--bind", f"[::]:{port}",
-               "--min_replicas", "1", "--join_timeout_ms", str(lh.JOIN_TIMEOUT_MS), "--quorum_tick_ms",
-               str(lh.QUORUM_TICK_MS), "--heartbeat_timeout_ms", str(lh.HEARTBEAT_TIMEOUT_MS)]
-    house = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    full = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **env}
+    return subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"), "--bind", f"[::]:{port}",
+         "--min_replicas", "1", "--join_timeout_ms", str(lh.JOIN_TIMEOUT_MS), "--quorum_tick_ms",
+         str(lh.QUORUM_TICK_MS), "--heartbeat_timeout_ms", str(lh.HEARTBEAT_TIMEOUT_MS)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def run_groups(code: str, argv: List[List[str]], env: Dict[str, str],
+               house: Optional[subprocess.Popen] = None) -> List[str]:
+    """``python -c code *argv[g]`` for each group g at once, all waited for; their outputs (asserting each exited 0).
+    ``house`` (a lighthouse) is killed once they are done."""
     with tempfile.TemporaryDirectory() as tmp:  # files, not pipes: a pipe nobody reads yet fills and blocks its group
-        logs = [open(os.path.join(tmp, f"group{g}.log"), "w+") for g in range(3)]
+        logs = [open(os.path.join(tmp, f"group{g}.log"), "w+") for g in range(len(argv))]
         try:
-            groups = [subprocess.Popen([sys.executable, "-c", BY_HAND, str(g), f"127.0.0.1:{port}", str(steps), "20"],
-                                       env=full, stdout=log, stderr=subprocess.STDOUT, text=True)
-                      for g, log in enumerate(logs)]
+            groups = [subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=log,
+                                       stderr=subprocess.STDOUT, text=True) for args, log in zip(argv, logs)]
             for g in groups:
                 g.wait(timeout=600)
         finally:
-            house.kill()
-            house.wait()
+            if house is not None:
+                house.kill()
+                house.wait()
         outs = []
         for log in logs:
             log.seek(0)
@@ -153,6 +157,17 @@ def by_hand(env: Dict[str, str], steps: int) -> float:
             log.close()
     for g, out in zip(groups, outs):
         assert g.returncode == 0, out[-3000:]
+    return outs
+
+
+def by_hand(env: Dict[str, str], steps: int) -> float:
+    """torchft by hand (BY_HAND) on 3 local groups with its lighthouse: group 0's steps/s after 20 warm-up steps."""
+    from helpers import free_port
+
+    port = free_port()
+    house = start_lighthouse(port)
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **env}
+    outs = run_groups(BY_HAND, [[str(g), f"127.0.0.1:{port}", str(steps), "20"] for g in range(3)], full, house)
     return float(re.search(r"BYHAND ([\d.]+)", outs[0]).group(1))
 
 

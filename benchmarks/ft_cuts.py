@@ -26,14 +26,15 @@ import argparse
 import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from fault_tolerance import run_groups, start_lighthouse  # noqa: E402
 
 RANK = r"""
 import os, sys, time
@@ -140,38 +141,15 @@ def free_port() -> int:
 
 def run(variant: str, env: Dict[str, str], steps: int) -> Tuple[float, Dict[str, float]]:
     """One job of 3 groups: group 0's ms per step and ms per part of the step."""
-    from fabriclite.supervision import lighthouse as lh
-
     port = free_port()
-    house = None
-    if variant != "ddp":
-        house = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"), "--bind", f"[::]:{port}",
-             "--min_replicas", "1", "--join_timeout_ms", str(lh.JOIN_TIMEOUT_MS), "--quorum_tick_ms",
-             str(lh.QUORUM_TICK_MS), "--heartbeat_timeout_ms", str(lh.HEARTBEAT_TIMEOUT_MS)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    house = start_lighthouse(port) if variant != "ddp" else None
     full = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "PYTHONPATH": str(ROOT), **env}
     if variant == "fl+tokio1":
         full["TOKIO_WORKER_THREADS"] = "1"
-    with tempfile.TemporaryDirectory() as tmp:
-        logs = [open(os.path.join(tmp, f"group{g}.log"), "w+") for g in range(3)]
-        try:
-            groups = [subprocess.Popen([sys.executable, "-c", RANK, str(g), f"127.0.0.1:{port}", str(steps), "20",
-                                        variant, str(port)], env=full, stdout=log, stderr=subprocess.STDOUT, text=True)
-                      for g, log in enumerate(logs)]
-            for g in groups:
-                g.wait(timeout=600)
-        finally:
-            if house is not None:
-                house.kill()
-                house.wait()
-        outs = []
-        for log in logs:
-            log.seek(0)
-            outs.append(log.read())
-            log.close()
+    outs = run_groups(RANK, [[str(g), f"127.0.0.1:{port}", str(steps), "20", variant, str(port)] for g in range(3)],
+                      full, house)
     found = re.search(r"RATE ([\d.]+) (.*)", outs[0])
-    assert found and all(g.returncode == 0 for g in groups), "\n".join(o[-2000:] for o in outs)
+    assert found, outs[0][-2000:]
     return 1e3 / float(found.group(1)), {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", found.group(2))}
 
 
