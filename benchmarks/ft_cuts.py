@@ -17,8 +17,8 @@ warm-up steps), medians, and the time spent in each part of the step. Variants:
     $(bash scripts/backend_env.sh ft --path)/bin/python benchmarks/ft_cuts.py --size tiny --repeats 5 \\
         --variants ddp,hand,fl,fl-commit,fl-hook,fl-buckets
 
-It prints a markdown table (and writes nothing: the figures quoted in benchmarks/results/fault_tolerance.md
-name the run they came from).
+It prints a markdown table and writes it to benchmarks/results/ft_cuts_<size>.md (the per-cut figures quoted in
+benchmarks/results/fault_tolerance.md's notes name the run they came from).
 """
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ import os
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from common import Results  # noqa: E402
 from fault_tolerance import run_groups, start_lighthouse  # noqa: E402
 
 RANK = r"""
@@ -165,7 +165,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
     env, steps = ({"FT_WIDTH": "1024", "FT_BATCH": "512"}, 100) if args.size == "big" else ({}, 300)
-    started, load = time.time(), os.getloadavg()[0]
+    results = Results(f"ft_cuts_{args.size}")
     ms: Dict[str, List[float]] = {v: [] for v in variants}
     parts: Dict[str, List[Dict[str, float]]] = {v: [] for v in variants}
     for _ in range(args.repeats):
@@ -176,16 +176,18 @@ def main() -> None:
             print(f"{v:13s} {step_ms:8.2f} ms/step  " + " ".join(f"{k}={p[k]:.2f}" for k in PARTS), flush=True)
     med = statistics.median
     anchor = med(ms["ddp"]) if "ddp" in ms else None
-    print(f"\n`benchmarks/ft_cuts.py --size {args.size} --repeats {args.repeats} --variants {args.variants}`, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}, {time.time() - started:.0f} s, load average {load:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after; ms per step of group 0, median of {args.repeats} interleaved runs "
-          f"(the runs' range), and each part's median\n")
-    print("| variant | ms/step (range) | over ddp | " + " | ".join(PARTS) + " |")
-    print("|---|---|---|" + "---|" * len(PARTS))
+    lines = [f"ms per step of group 0, median of {args.repeats} interleaved runs (the runs' range), and each part's "
+             "median (ms)", "", "| variant | ms/step (range) | over ddp | " + " | ".join(PARTS) + " |",
+             "|---|---|---|" + "---|" * len(PARTS)]
     for v in variants:
         over = f"{med(ms[v]) - anchor:+.2f}" if anchor is not None and v != "ddp" else ""
-        print(f"| {v} | {med(ms[v]):.2f} ({min(ms[v]):.2f}-{max(ms[v]):.2f}) | {over} | "
-              + " | ".join(f"{med([p[k] for p in parts[v]]):.2f}" for k in PARTS) + " |")
+        lines.append(f"| {v} | {med(ms[v]):.2f} ({min(ms[v]):.2f}-{max(ms[v]):.2f}) | {over} | "
+                     + " | ".join(f"{med([p[k] for p in parts[v]]):.2f}" for k in PARTS) + " |")
+    body = "\n".join(lines)
+    print(body)
+    model = "16-1024-1024-1, batch 512, 100 steps" if args.size == "big" else "16-32-32-1, batch 32, 300 steps"
+    results.write(body, extra=[("interpreter", "the ft lane's: `$(bash scripts/backend_env.sh ft --path)/bin/python`"),
+                               ("torchft", "0.2.0"), ("model", model)])
 
 
 if __name__ == "__main__":
