@@ -10,6 +10,11 @@ torch.distributed.checkpoint's ``CheckpointException``), every rank warns and tr
 error (keys that do not match with ``strict=True``, a wrong type) is raised at once: an older checkpoint would not
 fix it. When none loads: ``NoLoadableCheckpointError`` listing each one tried and why. The same checkpoint is
 chosen on every rank (the outcomes are agreed by one small collective per attempt).
+
+When the manifest records nothing (or there is none) but the folder holds what ``save`` writes without
+``keep=`` (``*.ckpt``, ``*.pt``, ``*.pth`` files, sharded-checkpoint folders), ``load_latest`` still returns
+None, and global rank 0 warns once, naming those files: only ``save(..., keep=K)`` records a checkpoint, and a
+job that silently started again from step 0 is the trap. Local paths and fsspec URLs alike.
 """
 from __future__ import annotations
 
@@ -22,6 +27,11 @@ from fabriclite.checkpoint.integrity import CorruptCheckpointError
 from fabriclite.checkpoint.saving import wait_for_saves
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+#: the file suffixes ``save`` is usually given (Lightning's ``.ckpt``, torch's ``.pt`` / ``.pth``)
+CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
+#: how many unrecorded checkpoints the warning names before "and N more"
+NAMED = 8
 
 
 class NoLoadableCheckpointError(RuntimeError):
@@ -56,7 +66,43 @@ def load_latest(strategy: Any, directory: PathLike, load: Callable[[str], Any]) 
         tried.append((path, reason))
     if tried:
         raise NoLoadableCheckpointError(directory, tried)
+    if strategy.is_global_zero and not candidates:
+        warn_unrecorded(directory)
     return None
+
+
+def unrecorded_checkpoints(directory: str) -> List[str]:
+    """The names in ``directory`` (a local path or an fsspec URL) that look like what ``save`` writes: files
+    ending in ``.ckpt`` / ``.pt`` / ``.pth`` and sharded-checkpoint folders (``meta.pt`` or ``.metadata``
+    inside); temporaries (names starting with ``.``) left out. Sorted."""
+    from fabriclite.checkpoint.dcp import DCP_METADATA, METADATA_FILENAME
+
+    found = []
+    for name, is_dir in remote_paths.listdir(directory):
+        if name.startswith("."):
+            continue
+        if is_dir:
+            inside = remote_paths.join(directory, name)
+            if any(remote_paths.exists(remote_paths.join(inside, marker)) for marker in (METADATA_FILENAME,
+                                                                                          DCP_METADATA)):
+                found.append(name + "/")
+        elif name.endswith(CHECKPOINT_SUFFIXES):
+            found.append(name)
+    return found
+
+
+def warn_unrecorded(directory: str) -> None:
+    """Warn (once per directory and message, Python's default filter) that ``directory`` holds checkpoints that
+    no manifest records, naming them. Call on one process."""
+    names = unrecorded_checkpoints(directory)
+    if not names:
+        return
+    listed = ", ".join(names[:NAMED]) + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
+    warnings.warn(f"load_latest({directory!r}) found no recorded checkpoint, so nothing was loaded (the job starts "
+                  f"from the beginning), but the folder holds {len(names)} checkpoint(s) that were saved without "
+                  f"being recorded: {listed}. Only fabric.save(path, state, keep=K) records a checkpoint for "
+                  "load_latest; save with keep=K from now on, or load one of these with fabric.load(path, state).",
+                  UserWarning, stacklevel=4)
 
 
 def _check(strategy: Any, directory: str, name: str, files: dict) -> Optional[str]:
@@ -104,4 +150,4 @@ def _first(strategy: Any, mine: Optional[str]) -> Optional[str]:
     return next((reason for reason in found if reason is not None), None)
 
 
-__all__ = ["NoLoadableCheckpointError", "load_latest"]
+__all__ = ["NoLoadableCheckpointError", "load_latest", "unrecorded_checkpoints", "warn_unrecorded"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import posixpath
-from typing import Any, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -71,6 +71,25 @@ def isdir(path: str) -> bool:
     return fs.isdir(inner)
 
 
+def listdir(directory: str) -> List[Tuple[str, bool]]:
+    """``(name, is a directory)`` for each entry of ``directory``, sorted by name; empty when it does not exist."""
+    if not is_remote(directory):
+        try:
+            names = sorted(os.listdir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [(name, os.path.isdir(os.path.join(directory, name))) for name in names]
+    fs, inner = filesystem(directory)
+    try:
+        found = fs.ls(inner, detail=True)
+    except FileNotFoundError:
+        return []
+    inner = inner.rstrip("/")
+    listed = [(posixpath.basename(info["name"].rstrip("/")), info.get("type") == "directory") for info in found
+              if info["name"].rstrip("/") != inner]
+    return sorted(listed)
+
+
 def read_bytes(path: str) -> Optional[bytes]:
     """The bytes at ``path``, or None when there is no such file."""
     try:
@@ -99,5 +118,5 @@ def remove(path: str) -> bool:
     return True
 
 
-__all__ = ["exists", "filesystem", "is_remote", "isdir", "join", "normalize", "read_bytes", "remove",
+__all__ = ["exists", "filesystem", "is_remote", "isdir", "join", "listdir", "normalize", "read_bytes", "remove",
            "split", "write_bytes"]
