@@ -1,5 +1,7 @@
 """``fabriclite run [options] SCRIPT [SCRIPT ARGS]``: start and supervise one node's ranks.
 ``fabriclite consolidate FOLDER [--output_file F]``: a sharded checkpoint as one file ``torch.load`` reads.
+``fabriclite report RUN_FOLDER_OR_EVENTS [--output F] [--format html|perfetto] [--run ID]``: a job's history as one
+self-contained HTML page, or as Chrome trace-event JSON for Perfetto (fabriclite/report/).
 
 One call per node. The script's ``Fabric(...)`` joins the job; the flags fill what the code leaves
 unset, and a conflicting value in the code is a ValueError.
@@ -80,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("checkpoint_folder", help="a sharded checkpoint (torch.distributed.checkpoint files + meta.pt)")
     merge.add_argument("--output_file", "--output-file", default=None,
                        help="where to write it (must not exist; default FOLDER.consolidated)")
+    report = sub.add_parser("report", help="a job's history (its events record) as an HTML page or a Perfetto trace")
+    report.add_argument("sources", nargs="+", metavar="RUN_FOLDER_OR_EVENTS",
+                        help="a run folder, a folder of events-node<N>.jsonl files, or such files")
+    report.add_argument("--output", "-o", default=None, help="default report.html (perfetto: trace.json)")
+    report.add_argument("--format", choices=["html", "perfetto"], default="html")
+    report.add_argument("--run", default=None, help="the run id to show (default: the latest run in the record)")
     return parser
 
 
@@ -98,6 +106,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``fabriclite``: the job's exit code. Called without ``argv`` (the program
     itself), it exits the process with that code instead of returning. Bad input: see the error rule above."""
     args = _parser().parse_args(argv)
+    if args.command == "report":
+        return _report(args)
     if args.command == "consolidate":
         try:
             folder, output = _prepare_consolidate(args)
@@ -305,6 +315,21 @@ def _consolidate(folder: str, output: str) -> None:
     except FileNotFoundError as err:  # a shard missing: named, nothing written
         usage_error("consolidate", str(err))
     atomic_save(merged, output)
+
+
+def _report(args: argparse.Namespace) -> int:
+    """``fabriclite report``: read the record (bad input: the CLI's error rule), write the page or the trace, name
+    the file written."""
+    from fabriclite.report import html_page, job_history, perfetto_trace
+
+    try:
+        history = job_history.load(args.sources, args.run)
+    except (ValueError, OSError) as err:
+        usage_error(args.command, str(err))
+    writer = perfetto_trace if args.format == "perfetto" else html_page
+    path = writer.write(history, args.output or ("trace.json" if args.format == "perfetto" else "report.html"))
+    print(f"fabriclite report: run {history.run}: {path}")
+    return 0
 
 
 def _env_int(name: str) -> int:
