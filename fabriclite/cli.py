@@ -27,7 +27,7 @@ from fabriclite.launchers.subprocess_script import run_supervised
 from fabriclite.supervision.stopping import exit_process
 from fabriclite.supervision.node_layout import NodeLayout
 from fabriclite.distributed.rendezvous import resolve_timeout
-from fabriclite.strategies import STRATEGIES
+from fabriclite.strategies import FAULT_TOLERANT, STRATEGIES, low_communication
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--lighthouse", default=None,
                      help="with --fault-tolerant: HOST:PORT of a running torchft lighthouse (default: node 0's "
                           "supervisor starts one at --main-address:--main-port)")
+    low_communication.add_flags(run)
     run.add_argument("script", help="the Python script to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     merge = sub.add_parser("consolidate", help="write a sharded checkpoint folder as one file torch.load reads")
@@ -150,6 +151,7 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
     if not args.fault_tolerant and (args.min_replicas is not None or args.lighthouse is not None):
         raise UsageError(f"--{'min-replicas' if args.min_replicas is not None else 'lighthouse'} needs "
                          "--fault-tolerant.")
+    args.strategy_env = low_communication.cli_env(args)  # --strategy diloco|local_sgd and their settings
     if args.fault_tolerant:
         return _prepare_live(args, num_nodes, node_rank)
     # validate every flag the way Fabric(...) would, before starting anything
@@ -185,10 +187,10 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
 
     if importlib.util.find_spec("torchft") is None:
         raise UsageError(f"--fault-tolerant needs torchft, which is not installed: {FT_EXTRA}.")
-    if args.strategy not in (None, "auto", "ddp", "fault_tolerant"):
+    if args.strategy not in (None, "auto", "ddp", *FAULT_TOLERANT):
         raise UsageError(f"--fault-tolerant with --strategy {args.strategy} is not supported: each node is one "
                          "torchft replica group running DDP (torchft 0.2 has no sharded mode over gloo); drop "
-                         "--strategy or pass --strategy ddp.")
+                         "--strategy or pass --strategy ddp, diloco or local_sgd.")
     connector = Connector(accelerator=args.accelerator or "auto", strategy="ddp", devices=args.devices or 1,
                           num_nodes=1, precision=args.precision, plugins=_own_ranks(), launcher_chosen=True)
     if connector.num_processes != 1:
@@ -207,7 +209,9 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
     address = advertised_address(host)
     live = LiveOptions(f"{host}:{port}", node_rank, num_nodes, min_replicas, address,
                        host_lighthouse=node_rank == 0 and args.lighthouse is None)
-    extra_env = {CLI_ENV["strategy"]: "fault_tolerant", CLI_ENV["devices"]: "1", CLI_USED_ENV: "1", **live.to_env(),
+    strategy = args.strategy if args.strategy in FAULT_TOLERANT else "fault_tolerant"
+    extra_env = {CLI_ENV["strategy"]: strategy, CLI_ENV["devices"]: "1", CLI_USED_ENV: "1", **live.to_env(),
+                 **args.strategy_env,
                  "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's Rust side logs every quorum at info
     for name, value in (("accelerator", args.accelerator), ("precision", args.precision)):
         if value is not None:

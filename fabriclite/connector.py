@@ -21,7 +21,8 @@ from fabriclite.environments import (FORCE_ENVIRONMENT_VAR, ClusterEnvironment, 
 from fabriclite.environments.process_rank import current_rank
 from fabriclite.supervision.restarts import resolve_max_restarts
 from fabriclite.precision import Precision, normalize_precision, precision_plugin
-from fabriclite.strategies import STRATEGIES, DDPStrategy, SingleDeviceStrategy, Strategy, create_strategy
+from fabriclite.strategies import (FAULT_TOLERANT, STRATEGIES, DDPStrategy, SingleDeviceStrategy, Strategy,
+                                   create_strategy)
 
 #: variables `fabriclite run` sets in its ranks: CLI flags that fill what the code leaves unset
 CLI_ENV = {
@@ -307,11 +308,20 @@ def _from_cli(name: str, value: Any, default: Any) -> Any:
         cli = int(raw)
     if _is_default(value, default):
         return cli
+    if name == "strategy" and _in_family(value, cli):
+        return value
     if str(value).lower().replace(" ", "") != str(cli).lower().replace(" ", ""):
         flag = "--" + name.replace("_", "-")
         raise ValueError(f"Fabric({name}={value!r}) conflicts with `fabriclite run {flag} {raw}`; pass the value "
                          "in one place only.")
     return value
+
+
+def _in_family(value: Any, cli: str) -> bool:
+    """Under `fabriclite run --fault-tolerant` a script may choose its strategy of that family (a name or an
+    instance: DiLoCo, LocalSGD); with `--strategy diloco` it may pass a DiLoCoStrategy with its settings."""
+    name = value.lower() if isinstance(value, str) else getattr(value, "name", None)
+    return name in FAULT_TOLERANT and cli in (name, "fault_tolerant")
 
 
 def _from_lightning_cli(name: str, value: Any, default: Any) -> Any:

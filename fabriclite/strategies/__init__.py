@@ -26,6 +26,8 @@ STRATEGIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "ddp_find_unused_parameters_true": (
         "fabriclite.strategies.ddp:DDPStrategy", {"start_method": "popen", "find_unused_parameters": True}),
     "fault_tolerant": ("fabriclite.strategies.fault_tolerant:FaultTolerantStrategy", {}),
+    "diloco": ("fabriclite.strategies.low_communication:DiLoCoStrategy", {}),
+    "local_sgd": ("fabriclite.strategies.low_communication:LocalSGDStrategy", {}),
     "fsdp": ("fabriclite.strategies.fsdp:FSDPStrategy", {}),
     "fsdp_cpu_offload": ("fabriclite.strategies.fsdp:FSDPStrategy", {"cpu_offload": True}),
     "single_device": ("fabriclite.strategies.single_device:SingleDeviceStrategy", {}),
@@ -36,7 +38,11 @@ STRATEGIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
 
 #: SingleTPUStrategy: Lightning's legacy name of SingleDeviceXLAStrategy
 _LAZY = {"HorovodStrategy": "horovod", "XLAStrategy": "xla", "SingleDeviceXLAStrategy": "single_xla",
-         "SingleTPUStrategy": "single_xla", "FSDPStrategy": "fsdp"}
+         "SingleTPUStrategy": "single_xla", "FSDPStrategy": "fsdp", "DiLoCoStrategy": "diloco",
+         "LocalSGDStrategy": "local_sgd"}
+#: the strategies of ``fabriclite run --fault-tolerant`` (one torchft replica group per node): the per-step one and
+#: the low-communication ones (fabriclite.strategies.low_communication)
+FAULT_TOLERANT = ("fault_tolerant", "diloco", "local_sgd")
 #: classes without a registered name (Lightning registers none for ModelParallelStrategy)
 _LAZY_CLASSES = {"ModelParallelStrategy": "fabriclite.strategies.model_parallel"}
 
@@ -60,5 +66,5 @@ def __getattr__(name: str) -> Any:  # lazy: `from fabriclite.strategies import H
     raise AttributeError(f"module 'fabriclite.strategies' has no attribute {name!r}")
 
 
-__all__ = ["DDPStrategy", "ParallelStrategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "create_strategy",
-           "strategy_class"]
+__all__ = ["DDPStrategy", "FAULT_TOLERANT", "ParallelStrategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy",
+           "create_strategy", "strategy_class"]

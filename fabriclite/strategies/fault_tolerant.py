@@ -61,14 +61,15 @@ class FaultTolerantStrategy(DDPStrategy):
         """ValueError at ``Fabric(...)``, before anything starts: torchft missing, not started by ``fabriclite run
         --fault-tolerant``, or more than one rank per node."""
         if importlib.util.find_spec("torchft") is None:
-            raise ValueError(f"strategy='fault_tolerant' needs torchft, which is not installed: {FT_EXTRA}.")
+            raise ValueError(f"strategy={self.name!r} needs torchft, which is not installed: {FT_EXTRA}.")
         self.options = LiveOptions.from_env()
         if self.options is None:
-            raise ValueError("strategy='fault_tolerant' runs in a script started by `fabriclite run --fault-tolerant "
+            raise ValueError(f"strategy={self.name!r} runs in a script started by `fabriclite run --fault-tolerant "
                              "--num-nodes N --node-rank I ...` (each node one replica group); start it that way.")
         if world_size != 1:
-            raise ValueError(f"strategy='fault_tolerant' runs one rank per node (torchft 0.2's DDP reduces across "
-                             f"nodes, not inside one); got {world_size} ranks here. Use devices=1.")
+            raise ValueError(f"strategy={self.name!r} runs one rank per node (torchft 0.2's Manager reduces across "
+                             f"nodes over one process group of one rank per group, not inside one); got {world_size} "
+                             f"ranks here. Use devices=1.")
 
     @property
     def distributed_sampler_kwargs(self) -> Dict[str, int]:
@@ -84,13 +85,19 @@ class FaultTolerantStrategy(DDPStrategy):
             if self.options is None:
                 raise RuntimeError("fault_tolerant: call fabric.launch() (or start under `fabriclite run "
                                    "--fault-tolerant`) before setup() or load_latest().")
-            parts = _parts()
-            env = self.cluster_environment
-            self._manager = parts.build_manager(
-                self.options, self.global_rank, self.world_size, env.main_address, env.main_port,
-                timeout=min(self.timeout, STEP_TIMEOUT), quorum_timeout=self.timeout,
-                connect_timeout=min(self.timeout, CONNECT_TIMEOUT))
+            self._manager = self.new_manager()
         return self._manager
+
+    def new_manager(self) -> Any:
+        """The Manager of the per-step path: an asynchronous quorum, overlapped with the forward pass."""
+        return self._build_manager()
+
+    def _build_manager(self, **kwargs: Any) -> Any:
+        env = self.cluster_environment
+        return _parts().build_manager(
+            self.options, self.global_rank, self.world_size, env.main_address, env.main_port,
+            timeout=min(self.timeout, STEP_TIMEOUT), quorum_timeout=self.timeout,
+            connect_timeout=min(self.timeout, CONNECT_TIMEOUT), **kwargs)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """torchft's DDP: gradients are averaged across the replica groups of the step's quorum."""

@@ -42,15 +42,18 @@ from fabriclite.supervision.lighthouse import LiveOptions
 
 def build_manager(options: LiveOptions, group_rank: int, group_world_size: int, store_address: str,
                   store_port: int, timeout: timedelta, quorum_timeout: timedelta,
-                  connect_timeout: timedelta) -> "Manager":
+                  connect_timeout: timedelta, manager_class: Optional[type] = None,
+                  use_async_quorum: bool = True) -> "Manager":
     """This replica group's Manager: its store is the group's own (``store_address:store_port``, hosted by the
     node's supervisor at the node's advertised address), its replica id ``group_<node rank>``, and a heal's
     state travels over the cross-group gloo process group. ``init_sync``: every group starts from group 0's
-    initial state (the others heal from it at step 0)."""
+    initial state (the others heal from it at step 0). ``manager_class`` (default :class:`ReplicaManager`) and
+    ``use_async_quorum``: what the low-communication strategies change (fabriclite.strategies.torchft_sync)."""
     pg = ProcessGroupGloo(timeout=timeout)
     transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
-    return ReplicaManager(
-        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=options.min_replicas, use_async_quorum=True,
+    return (manager_class or ReplicaManager)(
+        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=options.min_replicas,
+        use_async_quorum=use_async_quorum,
         timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, rank=group_rank,
         world_size=group_world_size, store_addr=store_address, store_port=store_port,
         lighthouse_addr=f"http://{options.lighthouse}", replica_id=f"group_{options.group}",

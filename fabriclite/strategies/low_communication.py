@@ -1,0 +1,345 @@
+"""Training across slow links on the live-recovery path: ``strategy="diloco"`` / ``"local_sgd"`` (or an instance,
+:class:`DiLoCoStrategy` / :class:`LocalSGDStrategy`, with its settings) in a script started by ``fabriclite run
+--fault-tolerant`` (``--strategy diloco`` and the flags of :data:`FLAGS` do the same from the command line).
+
+Each node is one torchft replica group of one rank, as under ``strategy="fault_tolerant"``, but the groups do not
+all-reduce gradients every step: each trains alone with the script's own optimizer (the inner one; DiLoCo's paper
+uses AdamW) and the groups meet only every ``sync_every`` inner steps, through torchft 0.2.0's own ``LocalSGD``
+(the parameters averaged) or ``DiLoCo`` (the pseudo-gradient, global minus local weights, averaged and applied
+by an outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov, the paper's). ``fragments > 1`` is streaming DiLoCo:
+the model's parameters are cut into that many contiguous fragments of about equal size, synced in turn, one every
+``sync_every / fragments`` steps, each ``fragment_sync_delay`` steps after its all-reduce started, mixed with the
+local weights by ``fragment_update_alpha``. The torchft parts are built in
+``fabriclite.strategies.torchft_sync``; every setting is checked here, at ``Fabric(...)`` (the instance's
+constructor) or when ``fabriclite run`` parses its flags, before a Manager exists.
+
+What differs from ``strategy="fault_tolerant"``:
+
+- ``fabric.setup(model, optimizer)`` wraps nothing in torchft's DDP or optimizer wrappers: ``optimizer.step()`` is
+  the inner step, and every ``sync_every``-th (each fragment's turn) also syncs with the other groups.
+- ``fabric.load_latest(dir, state)`` (after ``setup``, before the first step, as before) takes part in a quorum:
+  at the job's start it brings every group to group 0's initial state and commits step 1 with no all-reduce
+  (torchft's own DiLoCo regression test starts the same way); a group that comes back mid-run waits for the live
+  groups' next sync, receives their state (model, inner optimizer, step, and per fragment the global weights and
+  the outer optimizer: torchft's ``StreamingDiLoCoFragment_{i}``) and takes part in that same sync.
+- ``fabric.save`` adds the key ``"low_communication"`` to the checkpoint (the global weights, the outer
+  optimizers, the Manager's step, which says the next fragment, and the inner step inside the interval);
+  ``fabric.load`` / ``load_latest`` of a dict state restore it.
+- Floating-point buffers (BatchNorm statistics) are averaged at every sync, inside its commit; integer buffers
+  (``num_batches_tracked``) stay local.
+- ``should_quantize=True`` needs Triton (torchft: ``if should_quantize and IS_TRITON_AVAILABLE``; otherwise it
+  silently sends full precision): without Triton it is a ValueError here, never a setting that does nothing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
+
+from torch import nn
+from torch.optim import Optimizer
+
+from fabriclite.strategies.fault_tolerant import HEAL_ATTEMPTS, FaultTolerantStrategy
+
+#: the settings ``fabriclite run`` passes to its ranks, as JSON (the flags given, nothing else)
+SETTINGS_ENV = "FABRICLITE_LOW_COMMUNICATION"
+#: the checkpoint key the strategy adds (see the module docstring)
+CHECKPOINT_KEY = "low_communication"
+#: ``fabriclite run`` flag -> (setting, type)
+FLAGS = {"--sync-every": ("sync_every", int), "--fragments": ("fragments", int),
+         "--fragment-sync-delay": ("fragment_sync_delay", int),
+         "--fragment-update-alpha": ("fragment_update_alpha", float), "--outer-lr": ("outer_lr", float),
+         "--outer-momentum": ("outer_momentum", float)}
+#: what only DiLoCo has (LocalSGD averages the parameters: no fragments, no outer optimizer)
+DILOCO_ONLY = ("fragments", "fragment_sync_delay", "fragment_update_alpha", "outer_optimizer", "outer_lr",
+               "outer_momentum", "should_quantize")
+
+OuterOptimizer = Union[str, Callable[[List[nn.Parameter]], Optimizer]]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One scheme's settings, checked (:meth:`check`). ``outer_optimizer``: ``"sgd"`` (SGD with ``outer_lr``,
+    ``outer_momentum``, Nesterov) or a callable building the outer optimizer from a fragment's parameters."""
+
+    scheme: str
+    sync_every: int
+    fragments: int = 1
+    fragment_sync_delay: int = 0
+    fragment_update_alpha: float = 0.0
+    outer_optimizer: OuterOptimizer = "sgd"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    should_quantize: bool = False
+
+    def check(self) -> "Settings":
+        """ValueError naming the bad setting and the fix; the settings otherwise."""
+        name = f"strategy={self.scheme!r}"
+        for key in ("sync_every", "fragments", "fragment_sync_delay"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: {key}={value!r} must be an int.")
+        if self.sync_every < 1:
+            raise ValueError(f"{name}: sync_every={self.sync_every} must be >= 1 (inner steps between syncs).")
+        if self.fragments < 1:
+            raise ValueError(f"{name}: fragments={self.fragments} must be >= 1 (1: plain DiLoCo).")
+        if self.sync_every < self.fragments:
+            raise ValueError(f"{name}: sync_every={self.sync_every} is smaller than fragments={self.fragments}: "
+                             f"one fragment syncs at a time, so a round of syncs takes at least as many steps as "
+                             f"there are fragments. Use sync_every >= {self.fragments}.")
+        if self.sync_every % self.fragments:
+            raise ValueError(f"{name}: sync_every={self.sync_every} is not divisible by fragments={self.fragments}"
+                             f" (each fragment syncs every sync_every / fragments steps); use e.g. sync_every="
+                             f"{self.sync_every - self.sync_every % self.fragments or self.fragments}.")
+        interval = self.sync_every // self.fragments
+        if not 0 <= self.fragment_sync_delay < interval:
+            raise ValueError(f"{name}: fragment_sync_delay={self.fragment_sync_delay} must be >= 0 and below "
+                             f"sync_every / fragments = {interval} (a fragment's sync must finish before the next "
+                             f"one starts); use 0..{interval - 1}.")
+        alpha = self.fragment_update_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"{name}: fragment_update_alpha={alpha!r} must be a number in [0, 1] (0: take the "
+                             f"global weights, 1: keep the local ones).")
+        if not (self.outer_optimizer == "sgd" or callable(self.outer_optimizer)):
+            raise ValueError(f"{name}: outer_optimizer={self.outer_optimizer!r}; expected 'sgd' or a callable "
+                             f"building an optimizer from a fragment's parameters.")
+        for key in ("outer_lr", "outer_momentum"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name}: {key}={value!r} must be a number >= 0.")
+        if self.should_quantize and importlib.util.find_spec("triton") is None:
+            raise ValueError(f"{name}: should_quantize=True needs Triton, which is not installed: torchft 0.2 then "
+                             f"sends the pseudo-gradients unquantized without saying so. Install triton (GPUs "
+                             f"only) or leave should_quantize=False.")
+        return self
+
+    def outer(self, params: List[nn.Parameter]) -> Optimizer:
+        """The outer optimizer of one fragment's parameters."""
+        if callable(self.outer_optimizer):
+            return self.outer_optimizer(params)
+        import torch
+
+        return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=True)
+
+
+#: each scheme's defaults: DiLoCo's paper (H = 500; outer SGD lr 0.7, momentum 0.9, Nesterov); LocalSGD every 100
+DEFAULTS = {"diloco": {"sync_every": 500}, "local_sgd": {"sync_every": 100}}
+
+
+def resolve(scheme: str, given: Dict[str, Any], cli: Optional[Dict[str, Any]] = None) -> Settings:
+    """The checked settings of ``scheme``: ``given`` (the constructor's, None = not given) and ``cli`` (the flags of
+    ``fabriclite run``, default: read from its environment) over the defaults. ValueError for a setting given in
+    both places with different values, for one the scheme does not have, and for every bad value."""
+    given = {key: value for key, value in given.items() if value is not None}
+    cli = from_env() if cli is None else cli
+    for key, value in cli.items():
+        if key in given and given[key] != value:
+            flag = next(f for f, (setting, _) in FLAGS.items() if setting == key)
+            raise ValueError(f"strategy={scheme!r}: {key}={given[key]!r} conflicts with `fabriclite run {flag} "
+                             f"{value}`; pass the value in one place only.")
+    merged = {**DEFAULTS[scheme], **cli, **given}
+    if scheme == "local_sgd":
+        extra = sorted(key for key in merged if key in DILOCO_ONLY)
+        if extra:
+            raise ValueError(f"strategy='local_sgd' averages the parameters and has no {', '.join(extra)}; use "
+                             f"strategy='diloco' for fragments and an outer optimizer.")
+    return Settings(scheme, **merged).check()
+
+
+def from_env() -> Dict[str, Any]:
+    """The settings ``fabriclite run`` passed (its flags), {} without any."""
+    raw = os.environ.get(SETTINGS_ENV)
+    return json.loads(raw) if raw else {}
+
+
+def cli_env(args: Any) -> Dict[str, str]:
+    """The ranks' environment for this family's flags of ``fabriclite run`` (argparse's namespace: ``strategy``,
+    ``fault_tolerant``, ``sync_every``, ...); {} when none is used. ValueError for such a flag without
+    ``--fault-tolerant --strategy diloco|local_sgd`` and for every bad setting, before anything starts."""
+    given = {setting: getattr(args, setting) for setting, _ in FLAGS.values() if getattr(args, setting) is not None}
+    if args.strategy not in DEFAULTS:
+        if given:
+            flag = next(f for f, (setting, _) in FLAGS.items() if setting in given)
+            raise ValueError(f"{flag} is a setting of --strategy diloco (or local_sgd) under --fault-tolerant; "
+                             f"add those flags or drop {flag}.")
+        return {}
+    if not args.fault_tolerant:
+        raise ValueError(f"--strategy {args.strategy} runs with --fault-tolerant (each node one torchft replica "
+                         f"group, synced every --sync-every steps); add --fault-tolerant.")
+    resolve(args.strategy, {}, given)
+    return {SETTINGS_ENV: json.dumps(given)} if given else {}
+
+
+def add_flags(parser: Any) -> None:
+    """``fabriclite run``'s flags of this family (each also spelled with underscores)."""
+    for flag, (setting, kind) in FLAGS.items():
+        parser.add_argument(flag, flag.replace("-", "_").replace("__", "--"), type=kind, default=None,
+                            help=f"with --fault-tolerant --strategy diloco|local_sgd: {setting} "
+                                 f"(docs/slow_links.md)")
+
+
+class Fragment(nn.Module):
+    """Some of a model's parameters under their names in the model (what torchft's DiLoCo reads of a fragment)."""
+
+    def __init__(self, named: List[Tuple[str, nn.Parameter]]) -> None:
+        super().__init__()
+        self.named = named
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        for name, param in self.named:
+            yield prefix + name, param
+
+
+def fragments_of(module: nn.Module, count: int) -> List[nn.Module]:
+    """``module``'s trainable parameters, in order, cut into ``count`` contiguous fragments of about equal size
+    (a parameter goes to the fragment its middle falls in). ValueError when there are fewer parameters than
+    fragments."""
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    if count > len(named):
+        raise ValueError(f"strategy='diloco': fragments={count}, but the model has only {len(named)} trainable "
+                         f"parameter tensors; use fragments <= {len(named)}.")
+    total = sum(p.numel() for _, p in named)
+    out: List[nn.Module] = []
+    start, done = 0, 0
+    for k in range(count):
+        end, done = start + 1, done + named[start][1].numel()
+        last = len(named) - (count - k - 1)  # leave at least one parameter for each later fragment
+        while end < last and (k == count - 1 or done + named[end][1].numel() / 2 <= total * (k + 1) / count):
+            done += named[end][1].numel()
+            end += 1
+        out.append(Fragment(named[start:end]))
+        start = end
+    return out
+
+
+class LowCommunicationStrategy(FaultTolerantStrategy):
+    """The shared part of :class:`DiLoCoStrategy` and :class:`LocalSGDStrategy` (see the module docstring)."""
+
+    scheme = ""
+
+    def __init__(self, settings: Dict[str, Any], **kwargs: Any) -> None:
+        self.settings = resolve(self.scheme, settings)
+        super().__init__(**kwargs)
+        self._module: Optional[nn.Module] = None
+        self._sync: Any = None
+
+    def new_manager(self) -> Any:
+        """A Manager with a synchronous quorum (torchft's DiLoCo requires it; a group that comes back is healed
+        inside the quorum, before the sync it then takes part in) whose commit also checks the sync's
+        all-reduces (fabriclite.strategies.torchft_sync.SyncManager)."""
+        from fabriclite.strategies import torchft_sync
+
+        return self._build_manager(manager_class=torchft_sync.SyncManager, use_async_quorum=False)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """The module as it is: no per-step gradient all-reduce (torchft's DDP is never used here)."""
+        if self._module is not None:
+            raise ValueError(f"strategy={self.name!r} trains one module (with one optimizer); set up one model.")
+        self._module = module
+        return module
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The inner optimizer, as it is; torchft's LocalSGD / DiLoCo hooks its step (built here, so before
+        ``load_latest`` takes its first quorum)."""
+        if self._module is None:
+            raise ValueError(f"strategy={self.name!r}: set up the model first (fabric.setup(model, optimizer)).")
+        if self._sync is not None:
+            raise ValueError(f"strategy={self.name!r} takes one (inner) optimizer; got a second one.")
+        from fabriclite.strategies import torchft_sync
+
+        self._sync = torchft_sync.build(self.manager, self._module, optimizer, self.settings)
+        return optimizer
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        """Nothing synchronises in backward here: a no-op."""
+        return nullcontext()
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        if not self._state_registered:
+            raise RuntimeError(f"under strategy={self.name!r}, call fabric.load_latest(checkpoint_dir, state) before "
+                               "the first optimizer.step(): that state is what a group that comes back receives.")
+        return super().optimizer_step(optimizer, **kwargs)
+
+    def heal(self, state_fn: Callable[[], Dict[str, Any]], apply_fn: Callable[[Dict[str, Any]], None]) -> int:
+        """As the fault_tolerant strategy's (register ``state``, take part in a quorum; the step the live groups
+        have committed, 0 when none has), with a synchronous quorum: at the job's start (step 0) every group is
+        here, and the quorum commits step 1 with no all-reduce; later, the live groups of the quorum are at a sync,
+        and this group (healed to their state inside the quorum) takes part in it before returning."""
+        if self._sync is None:
+            raise RuntimeError(f"under strategy={self.name!r}, call fabric.setup(model, optimizer) before "
+                               "fabric.load_latest(): the sync must exist before the first quorum.")
+        manager = self.manager
+        if not self._state_registered:
+            manager.register_state_dict_fn("fabriclite", apply_fn, state_fn)
+            self._state_registered = True
+        for _ in range(HEAL_ATTEMPTS):
+            manager.start_quorum()
+            if manager.errored() is not None:
+                continue
+            step = manager.current_step()
+            if step == 0:
+                manager.should_commit()
+                return 0
+            self._sync.join()
+            return step
+        raise RuntimeError(f"{self.name}: {HEAL_ATTEMPTS} quorums in a row failed to deliver a live peer's state to "
+                           f"replica group {self.options.group if self.options else '?'}; last error: "
+                           f"{manager.errored()}")
+
+    def checkpoint_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """The checkpoint with the sync's own state under ``"low_communication"``."""
+        if self._sync is None:
+            return state
+        if CHECKPOINT_KEY in state:
+            raise ValueError(f"strategy={self.name!r} stores its state under the checkpoint key {CHECKPOINT_KEY!r}; "
+                             "rename that key of your state.")
+        return {**state, CHECKPOINT_KEY: self._sync.state_dict()}
+
+    def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """As every strategy's; a dict ``state`` also restores the sync's state the checkpoint holds."""
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if isinstance(state, dict) and state and CHECKPOINT_KEY in remainder and self._sync is not None:
+            self._sync.load_state_dict(remainder.pop(CHECKPOINT_KEY))
+        return remainder
+
+    def teardown(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+        super().teardown()
+
+
+class DiLoCoStrategy(LowCommunicationStrategy):
+    """DiLoCo / streaming DiLoCo on torchft (module docstring). Defaults: the paper's (``sync_every=500``; outer
+    SGD, lr 0.7, momentum 0.9, Nesterov); ``fabriclite run`` flags fill what is not given here."""
+
+    name = "diloco"
+    scheme = "diloco"
+
+    def __init__(self, sync_every: Optional[int] = None, fragments: Optional[int] = None,
+                 fragment_sync_delay: Optional[int] = None, fragment_update_alpha: Optional[float] = None,
+                 outer_optimizer: Optional[OuterOptimizer] = None, outer_lr: Optional[float] = None,
+                 outer_momentum: Optional[float] = None, should_quantize: Optional[bool] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(dict(sync_every=sync_every, fragments=fragments, fragment_sync_delay=fragment_sync_delay,
+                              fragment_update_alpha=fragment_update_alpha, outer_optimizer=outer_optimizer,
+                              outer_lr=outer_lr, outer_momentum=outer_momentum, should_quantize=should_quantize),
+                         **kwargs)
+
+
+class LocalSGDStrategy(LowCommunicationStrategy):
+    """LocalSGD on torchft: the groups' parameters averaged every ``sync_every`` steps (default 100)."""
+
+    name = "local_sgd"
+    scheme = "local_sgd"
+
+    def __init__(self, sync_every: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(dict(sync_every=sync_every), **kwargs)
+
+
+__all__ = ["DiLoCoStrategy", "FLAGS", "fragments_of", "LocalSGDStrategy", "SETTINGS_ENV", "Settings", "resolve"]
