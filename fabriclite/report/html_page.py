@@ -90,7 +90,7 @@ def engine_text(history: JobHistory) -> str:
         parts.append(f"SLURM job {engine['slurm_job_id']}, restart count {engine.get('slurm_restart_count') or 0}")
     if engine.get("torchrun_restart_count") is not None:
         parts.append(f"torchrun restart count {engine['torchrun_restart_count']}")
-    if "launch" in engine:  # schema 1: one restart count, of whichever engine launched it
+    if engine.get("launch"):  # schema 1: one restart count, of whichever engine launched it
         parts.append(f"SLURM / torchrun restart count {engine['launch']}")
     if engine.get("host"):
         parts.append(f"node 0 on {engine['host']}")

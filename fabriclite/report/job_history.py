@@ -214,6 +214,9 @@ def build(records: List[Dict[str, Any]], run: str) -> JobHistory:
     positions = {id(e): i for i, e in enumerate(events)}
     for node in nodes:
         _node_history(history, node, [e for e in events if int(e.get("node", 0)) == node], positions)
+        # checkpoints and restores are global rank 0's, in its node's file, but they hold every node's loop
+        shared = [e for e in events if e["event"] in ("checkpoint", "restore") or int(e.get("node", 0)) == node]
+        history.goodput[node] = measure(_closed(shared))
     history.marks.sort(key=lambda m: (m.time, m.index))
     history.launches.sort(key=lambda l: (l.start, l.node))
     history.rounds.sort(key=lambda r: (r.start, r.node))
@@ -275,7 +278,6 @@ def _node_history(history: JobHistory, node: int, events: List[Dict[str, Any]], 
         history.unfinished.append(launch)
     history.launches.extend(launches)
     history.rounds.extend(rounds.values())
-    history.goodput[node] = measure(_closed(events))
 
 
 def _steps_event(history: JobHistory, node: int, e: Dict[str, Any], t: float) -> None:
@@ -288,7 +290,7 @@ def _steps_event(history: JobHistory, node: int, e: Dict[str, Any], t: float) ->
 
 
 def _closed(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """``events`` with a ``job_end`` at the last event of each launch that has none (a supervisor killed, or a job
+    """``events`` (by time) with a ``job_end`` at the last event of each launch that has none (a supervisor killed, or a job
     still running), so that goodput measures the time the record covers, not the time until now."""
     closed: List[Dict[str, Any]] = []
     open_launch = False

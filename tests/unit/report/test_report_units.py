@@ -40,8 +40,8 @@ def v1_crash_and_restart(t0: float = 1_700_000_000.0) -> List[Dict[str, Any]]:
 
 
 def v2_two_nodes_preempted_and_requeued(t0: float = 1_700_000_000.0) -> List[Dict[str, Any]]:
-    """Schema 2: two nodes of 2 ranks; steps events; a hang on node 1; a preemption and a SLURM requeue, then a
-    second launch that finishes."""
+    """Schema 2: two nodes of 2 ranks; steps events; a checkpoint; a straggler and a hang on node 1; a preemption
+    and a SLURM requeue, then a second launch that finishes."""
     command = ["python", "train.py", "--lr", "0.1"]
     start = {"ranks": 2, "command": command, "slurm_job_id": "4242", "launcher": "fabriclite run"}
     out = []
@@ -60,6 +60,8 @@ def v2_two_nodes_preempted_and_requeued(t0: float = 1_700_000_000.0) -> List[Dic
             (110.0, "round_end", {"round": 0, "exit_code": 0, "steps": 30, "first_step": t0 + 103.5,
                                   "last_step": t0 + 109.0}),
             (110.5, "job_end", {"exit_code": 0})]]
+    out.append(_e(2, t0 + 12.0, "checkpoint", node=0, round=0, path="/c/step-30.ckpt", bytes=100, seconds=1.0,
+                  blocked=1.0, step=30))  # global rank 0's, in node 0's file only
     out.append(_e(2, t0 + 18.0, "straggler", node=1, rank=3, slower=0.4, windows=3))
     out.append(_e(2, t0 + 19.0, "hang", node=1, round=0, reason="rank 2 stuck <in> all_reduce",
                   stacks="rank 2:\n  File \"train.py\", line 9, in <module>\n    fabric.all_reduce(x)"))
@@ -101,12 +103,14 @@ def test_schema_2_gives_each_ranks_rate_the_command_and_the_engine(tmp_path):
     ranked = sorted((r.rank, r.per_second) for r in history.rates if r.rank is not None)
     assert ranked == [(0, 4.0), (1, 3.5), (2, 4.0), (3, 3.5)]
     assert {k: history.count(k) for k in job_history.MARK_KINDS} == {
-        "failure": 0, "restart": 0, "preemption": 2, "requeue": 2, "checkpoint": 0, "restore": 0, "hang": 1,
+        "failure": 0, "restart": 0, "preemption": 2, "requeue": 2, "checkpoint": 1, "restore": 0, "hang": 1,
         "straggler": 1}
     assert [r.outcome for r in history.rounds] == ["preempted", "preempted", "ok", "ok"]
     straggler = next(m for m in history.marks if m.kind == "straggler")
     assert (straggler.node, straggler.rank) == (1, 3)
     assert history.goodput[0].badput["preemption"] == pytest.approx(2.0)
+    # rank 0's checkpoint held every node's loop: node 1's goodput counts it too
+    assert history.goodput[1].badput["checkpoint"] == history.goodput[0].badput["checkpoint"] == 1.0
 
 
 def test_the_latest_run_by_default_another_by_run_and_clear_errors(tmp_path):
