@@ -83,15 +83,18 @@ def _span(seconds: float) -> str:
 
 
 def engine_text(history: JobHistory) -> str:
-    """The engine line: who launched the job and how many times (SLURM job id and requeues, torchrun restarts)."""
+    """The engine line: SLURM (job id, restart count) or torchrun (restart count), node 0's host, and how many times
+    the run was launched."""
     engine = history.engine
-    parts = [str(engine["launcher"])] if engine.get("launcher") else []
+    parts = []
     if engine.get("slurm_job_id") is not None:
         parts.append(f"SLURM job {engine['slurm_job_id']}, restart count {engine.get('slurm_restart_count') or 0}")
     if engine.get("torchrun_restart_count") is not None:
-        parts.append(f"torchrun restart count {engine['torchrun_restart_count']}")
+        parts.append(f"torchrun, restart count {engine['torchrun_restart_count']}")
     if engine.get("launch"):  # schema 1: one restart count, of whichever engine launched it
         parts.append(f"SLURM / torchrun restart count {engine['launch']}")
+    if not parts and engine.get("host"):
+        parts.append("fabriclite alone (no SLURM job, no torchrun)")
     if engine.get("host"):
         parts.append(f"node 0 on {engine['host']}")
     launches = engine.get("launches", 0)

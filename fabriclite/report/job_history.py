@@ -74,6 +74,7 @@ class Launch:
     ranks: int = 0
     pid: Optional[int] = None
     fields: Dict[str, Any] = field(default_factory=dict)  # the job_start event's own fields
+    schema: str = SCHEMAS[-1]
 
 
 @dataclass
@@ -120,17 +121,21 @@ class JobHistory:
 
     @property
     def engine(self) -> Dict[str, Any]:
-        """What launched the job: ``launcher`` and, where known, ``slurm_job_id``, ``slurm_restart_count``,
-        ``torchrun_restart_count`` (schema 2), else ``launch``: the restart count of whichever engine (schema 1);
-        ``launches``: how many supervisors started on node 0."""
+        """What launched the job, from the ``job_start`` events: schema 2's ``host`` (node 0's) and, under SLURM,
+        ``slurm_job_id`` and ``slurm_restart_count``, under torchrun ``torchrun_restart_count`` (the latest launch's);
+        schema 1's ``launch`` (the restart count of whichever of the two); ``launches``: how many supervisors
+        started on node 0."""
         found: Dict[str, Any] = {}
+        first = min(self.nodes, default=0)
         for launch in self.launches:
-            for key in ("launcher", "slurm_job_id", "slurm_restart_count", "torchrun_restart_count", "host"):
+            keys = ("slurm_job_id", "slurm_restart_count", "torchrun_restart_count") + (
+                ("host",) if launch.node == first else ())
+            for key in keys:
                 if launch.fields.get(key) is not None:
                     found[key] = launch.fields[key]
-            if "launch" in launch.fields and "launcher" not in launch.fields:
+            if launch.schema == SCHEMAS[0] and "launch" in launch.fields:
                 found["launch"] = launch.fields["launch"]
-        found["launches"] = sum(1 for launch in self.launches if launch.node == min(self.nodes, default=0))
+        found["launches"] = sum(1 for launch in self.launches if launch.node == first)
         return found
 
     def count(self, kind: str) -> int:
@@ -245,7 +250,8 @@ def _node_history(history: JobHistory, node: int, events: List[Dict[str, Any]], 
             if launch is not None and launch.end is None:
                 history.unfinished.append(launch)
             launch = Launch(node, len(launches), t, ranks=int(e.get("ranks") or 0), pid=e.get("pid"),
-                            fields={k: v for k, v in e.items() if k not in ("schema", "run", "time", "node", "event")})
+                            fields={k: v for k, v in e.items() if k not in ("schema", "run", "time", "node", "event")},
+                            schema=str(e.get("schema")))
             launches.append(launch)
             current = None
         elif kind == "job_end" and launch is not None:

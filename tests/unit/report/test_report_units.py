@@ -43,11 +43,12 @@ def v2_two_nodes_preempted_and_requeued(t0: float = 1_700_000_000.0) -> List[Dic
     """Schema 2: two nodes of 2 ranks; steps events; a checkpoint; a straggler and a hang on node 1; a preemption
     and a SLURM requeue, then a second launch that finishes."""
     command = ["python", "train.py", "--lr", "0.1"]
-    start = {"ranks": 2, "command": command, "slurm_job_id": "4242", "launcher": "fabriclite run"}
+    start = {"ranks": 2, "command": command, "slurm_job_id": "4242", "torchrun_restart_count": None}
     out = []
     for node in (0, 1):
         out += [_e(2, t0 + t, name, node=node, **f) for t, name, f in [
-            (0.0, "job_start", {**start, "launch": 0, "slurm_restart_count": 0, "pid": 10 + node}),
+            (0.0, "job_start", {**start, "launch": 0, "slurm_restart_count": 0, "pid": 10 + node,
+                                "host": f"n{node}"}),
             (0.5, "round_start", {"round": 0}), (5.0, "ranks_up", {"round": 0, "first_step": t0 + 4.5}),
             (15.0, "steps", {"round": 0, "seconds": 10.0, "steps": {str(2 * node): 40, str(2 * node + 1): 40},
                              "per_second": {str(2 * node): 4.0, str(2 * node + 1): 3.5}}),
@@ -55,7 +56,8 @@ def v2_two_nodes_preempted_and_requeued(t0: float = 1_700_000_000.0) -> List[Dic
             (22.0, "round_end", {"round": 0, "exit_code": 0, "steps": 60, "first_step": t0 + 4.5,
                                  "last_step": t0 + 21.0}),
             (22.1, "requeue", {"exit_code": 0}), (22.2, "job_end", {"exit_code": 75}),
-            (100.0, "job_start", {**start, "launch": 1, "slurm_restart_count": 1, "pid": 20 + node}),
+            (100.0, "job_start", {**start, "launch": 1, "slurm_restart_count": 1, "pid": 20 + node,
+                                  "host": f"n{node}"}),
             (100.5, "round_start", {"round": 0}), (104.0, "ranks_up", {"round": 0, "first_step": t0 + 103.5}),
             (110.0, "round_end", {"round": 0, "exit_code": 0, "steps": 30, "first_step": t0 + 103.5,
                                   "last_step": t0 + 109.0}),
@@ -99,7 +101,7 @@ def test_schema_2_gives_each_ranks_rate_the_command_and_the_engine(tmp_path):
     assert history.nodes == [0, 1] and history.ranks == {0: [0, 1], 1: [2, 3]}
     assert history.command == ["python", "train.py", "--lr", "0.1"]
     assert history.engine["slurm_job_id"] == "4242" and history.engine["slurm_restart_count"] == 1
-    assert history.engine["launches"] == 2 and "launch" not in history.engine
+    assert history.engine["launches"] == 2 and history.engine["host"] == "n0" and "launch" not in history.engine
     ranked = sorted((r.rank, r.per_second) for r in history.rates if r.rank is not None)
     assert ranked == [(0, 4.0), (1, 3.5), (2, 4.0), (3, 3.5)]
     assert {k: history.count(k) for k in job_history.MARK_KINDS} == {
@@ -159,8 +161,8 @@ def test_the_page_has_one_mark_per_event_and_fetches_nothing(records):
 
 def test_the_page_names_the_run_the_command_and_the_engine():
     page = html_page.render(job_history.build(v2_two_nodes_preempted_and_requeued(), "r1"))
-    assert "python train.py --lr 0.1" in page and "SLURM job 4242, restart count 1" in page
-    assert "fabriclite run" in page and "Hangs and their stacks" in page and "fabric.all_reduce(x)" in page
+    assert "python train.py --lr 0.1" in page and "SLURM job 4242, restart count 1; node 0 on n0" in page
+    assert "Hangs and their stacks" in page and "fabric.all_reduce(x)" in page
     assert "<in>" not in page and "&lt;in&gt;" in page  # the record's text is escaped
 
 
