@@ -210,6 +210,7 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
     live = LiveOptions(f"{host}:{port}", node_rank, num_nodes, min_replicas, address,
                        host_lighthouse=node_rank == 0 and args.lighthouse is None)
     strategy = args.strategy if args.strategy in FAULT_TOLERANT else "fault_tolerant"
+    os.environ.update(args.strategy_env)  # also this supervisor's: node 0's lighthouse reads its join timeout
     extra_env = {CLI_ENV["strategy"]: strategy, CLI_ENV["devices"]: "1", CLI_USED_ENV: "1", **live.to_env(),
                  **args.strategy_env,
                  "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's Rust side logs every quorum at info

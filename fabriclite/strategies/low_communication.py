@@ -21,7 +21,8 @@ What differs from ``strategy="fault_tolerant"``:
   at the job's start it brings every group to group 0's initial state and commits step 1 with no all-reduce
   (torchft's own DiLoCo regression test starts the same way); a group that comes back mid-run waits for the live
   groups' next sync, receives their state (model, inner optimizer, step, and per fragment the global weights and
-  the outer optimizer: torchft's ``StreamingDiLoCoFragment_{i}``) and takes part in that same sync.
+  the outer optimizer: torchft's ``StreamingDiLoCoFragment_{i}``) and takes part in that same sync with its first
+  ``optimizer.step()`` (:meth:`LowCommunicationStrategy.heal`).
 - ``fabric.save`` adds the key ``"low_communication"`` to the checkpoint (the global weights, the outer
   optimizers, the Manager's step, which says the next fragment, and the inner step inside the interval);
   ``fabric.load`` / ``load_latest`` of a dict state restore it.
@@ -42,10 +43,13 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 from torch import nn
 from torch.optim import Optimizer
 
+from fabriclite.distributed.rendezvous import resolve_timeout
 from fabriclite.strategies.fault_tolerant import HEAL_ATTEMPTS, FaultTolerantStrategy
 
 #: the settings ``fabriclite run`` passes to its ranks, as JSON (the flags given, nothing else)
 SETTINGS_ENV = "FABRICLITE_LOW_COMMUNICATION"
+#: the lighthouse's join timeout (fabriclite.supervision.lighthouse reads it): see cli_env
+JOIN_TIMEOUT_ENV = "FABRICLITE_FT_JOIN_TIMEOUT_MS"
 #: the checkpoint key the strategy adds (see the module docstring)
 CHECKPOINT_KEY = "low_communication"
 #: ``fabriclite run`` flag -> (setting, type)
@@ -170,7 +174,11 @@ def cli_env(args: Any) -> Dict[str, str]:
         raise ValueError(f"--strategy {args.strategy} runs with --fault-tolerant (each node one torchft replica "
                          f"group, synced every --sync-every steps); add --fault-tolerant.")
     resolve(args.strategy, {}, given)
-    return {SETTINGS_ENV: json.dumps(given)} if given else {}
+    # the lighthouse (node 0's supervisor) waits for every group still heartbeating to reach its sync, within the
+    # job's timeout: with torchft's join timeout (300 ms here) a group slower by more than that over an interval,
+    # or the live groups arriving after a returning group has waited, would form quorums without the others
+    join_ms = int(resolve_timeout(args.timeout).total_seconds() * 1000)
+    return {JOIN_TIMEOUT_ENV: str(join_ms), **({SETTINGS_ENV: json.dumps(given)} if given else {})}
 
 
 def add_flags(parser: Any) -> None:
@@ -226,6 +234,8 @@ class LowCommunicationStrategy(FaultTolerantStrategy):
         super().__init__(**kwargs)
         self._module: Optional[nn.Module] = None
         self._sync: Any = None
+        #: healed mid-run by load_latest: the next optimizer.step() is the live groups' sync (heal)
+        self._join_pending = False
 
     def new_manager(self) -> Any:
         """A Manager with a synchronous quorum (torchft's DiLoCo requires it; a group that comes back is healed
@@ -259,16 +269,25 @@ class LowCommunicationStrategy(FaultTolerantStrategy):
         return nullcontext()
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """The inner step (torchft's hooks sync when it is time). The first step after ``load_latest`` healed this
+        group from a live peer is that peer's sync instead (see :meth:`heal`)."""
         if not self._state_registered:
             raise RuntimeError(f"under strategy={self.name!r}, call fabric.load_latest(checkpoint_dir, state) before "
                                "the first optimizer.step(): that state is what a group that comes back receives.")
+        if self._join_pending:
+            self._join_pending = False
+            self._sync.join()
+            return None
         return super().optimizer_step(optimizer, **kwargs)
 
     def heal(self, state_fn: Callable[[], Dict[str, Any]], apply_fn: Callable[[Dict[str, Any]], None]) -> int:
         """As the fault_tolerant strategy's (register ``state``, take part in a quorum; the step the live groups
-        have committed, 0 when none has), with a synchronous quorum: at the job's start (step 0) every group is
-        here, and the quorum commits step 1 with no all-reduce; later, the live groups of the quorum are at a sync,
-        and this group (healed to their state inside the quorum) takes part in it before returning."""
+        have committed, 0 when none has), with a synchronous quorum. At the job's start (step 0) every group of the
+        quorum is here, and it commits step 1 with no all-reduce. Later, the live groups of the quorum are inside
+        an ``optimizer.step()``, at a sync, and this group was healed inside the quorum to their state as it was
+        there: the model after that inner step, the script's counters before the end of that iteration. So this
+        group's next ``optimizer.step()`` (the same iteration, by the counters) takes part in that sync in place of
+        its inner step (whose gradients are dropped), and both go on from the same iteration."""
         if self._sync is None:
             raise RuntimeError(f"under strategy={self.name!r}, call fabric.setup(model, optimizer) before "
                                "fabric.load_latest(): the sync must exist before the first quorum.")
@@ -284,11 +303,20 @@ class LowCommunicationStrategy(FaultTolerantStrategy):
             if step == 0:
                 manager.should_commit()
                 return 0
-            self._sync.join()
+            self._join_pending = True
             return step
         raise RuntimeError(f"{self.name}: {HEAL_ATTEMPTS} quorums in a row failed to deliver a live peer's state to "
                            f"replica group {self.options.group if self.options else '?'}; last error: "
                            f"{manager.errored()}")
+
+    def sync_state(self) -> Dict[str, Any]:
+        """The sync's state as checkpoints hold it: ``scheme``, ``manager`` (torchft's step: syncs committed, which
+        says the next fragment), ``local_step`` (inner steps since the last sync) and, for DiLoCo, per fragment
+        ``original_parameters`` (the global weights) and ``outer_optimizer``. Tensors are this rank's own (the
+        global weights are copies; the outer optimizer's state is live)."""
+        if self._sync is None:
+            raise RuntimeError(f"strategy={self.name!r}: no sync before fabric.setup(model, optimizer).")
+        return self._sync.state_dict()
 
     def checkpoint_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
         """The checkpoint with the sync's own state under ``"low_communication"``."""
@@ -297,7 +325,7 @@ class LowCommunicationStrategy(FaultTolerantStrategy):
         if CHECKPOINT_KEY in state:
             raise ValueError(f"strategy={self.name!r} stores its state under the checkpoint key {CHECKPOINT_KEY!r}; "
                              "rename that key of your state.")
-        return {**state, CHECKPOINT_KEY: self._sync.state_dict()}
+        return {**state, CHECKPOINT_KEY: self.sync_state()}
 
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:

@@ -107,7 +107,8 @@ class Lighthouse:
         beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")  # torchft's console script
         command = [beside if os.path.exists(beside) else (shutil.which("torchft_lighthouse") or beside),
                    "--bind", f"[::]:{port}", "--min_replicas", str(min_replicas),
-                   "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--quorum_tick_ms", str(QUORUM_TICK_MS),
+                   "--join_timeout_ms", os.environ.get("FABRICLITE_FT_JOIN_TIMEOUT_MS", str(JOIN_TIMEOUT_MS)),
+                   "--quorum_tick_ms", str(QUORUM_TICK_MS),
                    "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
         parent = os.getpid()
         load_prctl()

@@ -1,0 +1,163 @@
+"""ft lane: DiLoCo and LocalSGD (``fabriclite run --fault-tolerant --strategy diloco|local_sgd``) on torchft 0.2.0,
+its real lighthouse and local nodes, each its own ``fabriclite run`` with one rank, on diloco_train.py.
+
+- Streaming DiLoCo (2 fragments, delay 1, a BatchNorm) on 3 groups, one killed inside a sync's all-reduces: the
+  others do not commit that sync; the killed group comes back with the peers' global weights and outer optimizer
+  (bit for bit), and its first sync gives the same global weights as theirs; every sync leaves the groups with the
+  same global weights and floating-point buffers; a checkpoint holds and restores the sync's state.
+- With the same seed and no fault, fabriclite's DiLoCo ends with the same weights as torchft's DiLoCo written by
+  hand (diloco_by_hand.py), bit for bit; LocalSGD trains and ends with the groups' weights equal. These jobs run
+  at the same time.
+
+Time (the 2-core machine shared with other test runs, load average 14-22): the kill run took 126-201 s, the three
+jobs together 131 s; the file 4.5-5.5 min there (start-up is most of it: ~35-70 s per rank under that load). Each
+job is bounded at 480 s, over 2x the slowest measured.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from ft_harness import REPO, free_port, start_nodes, wait_nodes
+
+LANE = REPO / "tests" / "integration" / "backends" / "lane_ft"
+TRAIN = LANE / "diloco_train.py"
+RUN_TIMEOUT_S = 480
+
+
+def rows(out: Path, group: int) -> List[tuple]:
+    """(iteration, torchft step after it, loss) of each loop iteration in ``steps-<group>.txt``, all rounds."""
+    lines = (out / f"steps-{group}.txt").read_text().splitlines()
+    return [(int(a), int(b), float(c)) for a, b, c in (line.split() for line in lines if line[0].isdigit())]
+
+
+def starts(out: Path, group: int) -> List[List[str]]:
+    return [line.split(maxsplit=4) for line in (out / f"steps-{group}.txt").read_text().splitlines()
+            if line.startswith("start")]
+
+
+def load(path: Path) -> Any:
+    return torch.load(path, weights_only=False)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal structure and values, tensors bit for bit."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def assert_ok(nodes: List) -> None:
+    for node in nodes:
+        assert node.code == 0, f"node {node.rank} exited {node.code}:\n{node.output[-4000:]}"
+
+
+def assert_trains(out: Path, group: int) -> None:
+    losses = [loss for _, _, loss in rows(out, group)]
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    assert last < 0.8 * first, f"group {group} did not train: loss {first:.3f} -> {last:.3f}"
+
+
+@pytest.mark.slow
+def test_streaming_diloco_heals_a_group_killed_inside_a_sync(tmp_path: Path) -> None:
+    env = {"FT_BN": "1", "FT_SAVE_EVERY": "8", "FT_KILL_GROUP": "2", "FT_KILL_STEP": "10",
+           "FABRICLITE_FIRST_RESTART_BACKOFF": "2"}
+    args = ["--strategy", "diloco", "--sync-every", "4", "--fragments", "2", "--fragment-sync-delay", "1",
+            "--max-restarts", "1"]
+    nodes = wait_nodes(start_nodes(tmp_path, 24, args=args, env=env, script=TRAIN), RUN_TIMEOUT_S)
+    assert_ok(nodes)
+    assert "1 of 1 restarts used" in nodes[2].output, nodes[2].output[-3000:]
+    for group in (0, 1):
+        assert_trains(tmp_path, group)
+
+    # group 2 died inside iteration `died`'s sync (its all-reduces issued, then SIGKILL): its peers' sync of that
+    # fragment completes one iteration later (delay 1), and must not commit; the next one commits
+    died = max(i for i, _, _ in rows(tmp_path, 2) if i < int(starts(tmp_path, 2)[1][2])) + 1
+    peer = {i: step for i, step, _ in rows(tmp_path, 0)}
+    assert peer[died + 1] == peer[died] < peer[died + 3], (died, peer)
+
+    # it came back from a live peer, with the peers' global weights and outer optimizer, bit for bit ...
+    back = starts(tmp_path, 2)[1]
+    assert back[1] == "1" and back[4] == "<live peer>", back
+    joined = load(tmp_path / "joined-2.pt")["sync"]
+    step = joined["manager"]["step"]
+    witness = load(tmp_path / f"sync-0-{step}.pt")["sync"]
+    assert len(joined["fragments"]) == 2 and same(joined["fragments"], witness["fragments"])
+    # ... and its first sync gives the same global weights as theirs
+    assert (tmp_path / f"sync-2-{step + 1}.pt").exists()
+    # every sync leaves every group that took part with the same global weights and floating-point buffers
+    compared = 0
+    for dump in sorted(tmp_path.glob("sync-0-*.pt")):
+        mine = load(dump)
+        for other in (1, 2):
+            theirs = tmp_path / dump.name.replace("sync-0-", f"sync-{other}-")
+            if theirs.exists():
+                theirs = load(theirs)
+                assert same(mine["sync"]["fragments"], theirs["sync"]["fragments"]), (dump.name, other)
+                floats = {k: v for k, v in mine["buffers"].items() if v.is_floating_point()}
+                assert floats and same(floats, {k: theirs["buffers"][k] for k in floats}), (dump.name, other)
+                compared += 1
+    assert compared >= 10, compared
+
+    # a checkpoint holds the inner state and the sync's (global weights, outer optimizer, position); load restores it
+    checkpoint = load(sorted((tmp_path / "checkpoints-0").glob("*.ckpt"))[-1])
+    assert {"model", "optimizer", "step", "low_communication"} <= set(checkpoint)
+    saved = checkpoint["low_communication"]
+    assert saved["scheme"] == "diloco" and saved["manager"]["step"] > 0 and "local_step" in saved
+    assert all({"original_parameters", "outer_optimizer"} <= set(f) for f in saved["fragments"])
+    assert saved["fragments"][0]["outer_optimizer"]["state"], "the outer optimizer's momentum was not saved"
+    assert same(load(tmp_path / "reloaded-0.pt")["sync"], saved)
+
+
+def start_by_hand(out: Path, steps: int, sync_every: int) -> List[subprocess.Popen]:
+    """torchft's lighthouse and two groups of diloco_by_hand.py."""
+    out.mkdir()
+    port = free_port()
+    lighthouse = [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"), "--bind", f"[::]:{port}",
+                  "--min_replicas", "2", "--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "1000"]
+    processes = [subprocess.Popen(lighthouse, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    for group in (0, 1):
+        command = [sys.executable, str(LANE / "diloco_by_hand.py"), str(out), str(steps), str(group),
+                   f"127.0.0.1:{port}", str(sync_every), "2"]
+        processes.append(subprocess.Popen(command, stdout=open(out / f"by_hand{group}.log", "w"),
+                                          stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "warn"}))
+    return processes
+
+
+@pytest.mark.slow
+def test_diloco_matches_torchfts_by_hand_and_local_sgd_trains(tmp_path: Path) -> None:
+    steps, every = 12, 4
+    two = ["--min-replicas", "2"]  # both groups in the job's first quorum, as by hand
+    diloco = start_nodes(tmp_path / "fabriclite", steps, nodes=2, script=TRAIN,
+                         args=["--strategy", "diloco", "--sync-every", str(every), *two])
+    local = start_nodes(tmp_path / "local_sgd", 16, nodes=2, script=TRAIN,
+                        args=["--strategy", "local_sgd", "--sync-every", "4", *two])
+    by_hand = start_by_hand(tmp_path / "by_hand", steps, every)
+    try:
+        for process in by_hand[1:]:
+            process.wait(RUN_TIMEOUT_S)
+    finally:
+        for process in by_hand:
+            process.kill()
+    assert_ok(wait_nodes(diloco, RUN_TIMEOUT_S))
+    assert_ok(wait_nodes(local, RUN_TIMEOUT_S))
+    for group in (0, 1):
+        log = (tmp_path / "by_hand" / f"by_hand{group}.log").read_text()
+        assert by_hand[group + 1].returncode == 0, log[-3000:]
+        ours = load(tmp_path / "fabriclite" / f"final-{group}.pt")
+        theirs = load(tmp_path / "by_hand" / f"final-{group}.pt")
+        assert same(ours, theirs), f"group {group}: fabriclite's DiLoCo differs from torchft's by hand"
+    assert_trains(tmp_path / "fabriclite", 0)
+    # LocalSGD: the groups trained apart and ended on one average
+    assert_trains(tmp_path / "local_sgd", 0)
+    assert same(load(tmp_path / "local_sgd" / "final-0.pt"), load(tmp_path / "local_sgd" / "final-1.pt"))
