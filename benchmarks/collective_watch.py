@@ -31,7 +31,7 @@ def main() -> None:
     results = Results("collective_watch")
 
     from fabriclite.distributed import rendezvous
-    from fabriclite.supervision.rank_watch import CollectiveWatch
+    from fabriclite.supervision.rank.collective_watch import CollectiveWatch
 
     server = rendezvous.host_store("127.0.0.1", 0, timedelta(seconds=10))
     store = rendezvous.prefixed(server, rendezvous.KEY_PREFIX)

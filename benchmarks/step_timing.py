@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     results = Results("step_timing")
 
-    from fabriclite.supervision import rank_progress
+    from fabriclite.supervision.rank import progress as rank_progress
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,12 +20,12 @@ from typing import Any, Dict, List, NoReturn, Optional, Tuple
 from fabriclite.accelerators import ACCELERATORS
 from fabriclite.environments.hostlist import first_host
 from fabriclite.environments.slurm import INTERACTIVE_JOB_NAMES, SLURMEnvironment, parse_signal
-from fabriclite.supervision.output_forwarding import OutputOptions
-from fabriclite.supervision.preemption import PreemptOptions, parse_grace
-from fabriclite.supervision.restarts import MAX_RESTARTS_ENV, RestartPolicy, parse_max_restarts, parse_seconds
+from fabriclite.supervision.agent.output_forwarding import OutputOptions
+from fabriclite.supervision.agent.preemption import PreemptOptions, parse_grace
+from fabriclite.supervision.agent.restarts import MAX_RESTARTS_ENV, RestartPolicy, parse_max_restarts, parse_seconds
 from fabriclite.launchers.subprocess_script import run_supervised
-from fabriclite.supervision.stopping import exit_process
-from fabriclite.supervision.node_layout import NodeLayout
+from fabriclite.supervision.processes.stopping import exit_process
+from fabriclite.supervision.agent.node_layout import NodeLayout
 from fabriclite.distributed.rendezvous import resolve_timeout
 from fabriclite.strategies import FAULT_TOLERANT, STRATEGIES, low_communication
 

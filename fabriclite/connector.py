@@ -19,7 +19,7 @@ from fabriclite.compat.user_warnings import PossibleUserWarning
 from fabriclite.environments import (FORCE_ENVIRONMENT_VAR, ClusterEnvironment, FabricliteEnvironment,
                                      LocalEnvironment, SLURMEnvironment, TorchElasticEnvironment, detect_environment)
 from fabriclite.environments.process_rank import current_rank
-from fabriclite.supervision.restarts import resolve_max_restarts
+from fabriclite.supervision.agent.restarts import resolve_max_restarts
 from fabriclite.precision import Precision, normalize_precision, precision_plugin
 from fabriclite.strategies import (FAULT_TOLERANT, STRATEGIES, DDPStrategy, SingleDeviceStrategy, Strategy,
                                    create_strategy)

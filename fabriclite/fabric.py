@@ -23,10 +23,12 @@ from fabriclite.compat import lightning_module, run_method, user_warnings
 from fabriclite.connector import Connector, cli_used
 from fabriclite.loggers.base import scalars, share_logger_state
 from fabriclite.strategies import Strategy
-from fabriclite.supervision import events, rank_progress, rank_signals
-from fabriclite.supervision.output_forwarding import line_buffer_stdio
-from fabriclite.supervision.rank_child import ERROR_FILE_ENV, exit_on_error, record_errors
-from fabriclite.supervision.restarts import agree_restart_count, restart_count
+from fabriclite.supervision.rank import progress as rank_progress
+from fabriclite.supervision.rank import signals as rank_signals
+from fabriclite.supervision.watch import events
+from fabriclite.supervision.agent.output_forwarding import line_buffer_stdio
+from fabriclite.supervision.rank.child import ERROR_FILE_ENV, exit_on_error, record_errors
+from fabriclite.supervision.agent.restarts import agree_restart_count, restart_count
 from fabriclite.training import live_recovery, module_setup, wrapping
 from fabriclite.training.callbacks import as_callback_list, call_hook
 from fabriclite.training.dataloaders import gather_eval as _gather_eval
@@ -42,7 +44,7 @@ class Fabric:
     ``strategy`` ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "single_device", "fsdp", "horovod",
     "xla", ... or an instance), ``devices`` ("auto", an int, a list of GPU indices, "0,1", -1),
     ``num_nodes``, ``precision``, ``plugins``, ``callbacks``, ``loggers``; ``max_restarts`` (fabriclite's own:
-    start every rank again after a failure, up to N times; see fabriclite.supervision.restarts). Bad values raise
+    start every rank again after a failure, up to N times; see fabriclite.supervision.agent.restarts). Bad values raise
     ValueError/TypeError here, before any process starts.
 
     In a script started by `fabriclite run` (or Lightning's `fabric run`: ``LT_CLI_USED=1``) the processes exist
@@ -409,7 +411,7 @@ class Fabric:
     def check_preempted(self) -> bool:
         """Whether the job was told it will be stopped (SIGTERM / SIGUSR1 on any rank): a collective, one small
         all_reduce, the same answer on every rank at the same call. The first True also calls the callbacks'
-        ``on_preempt(fabric)`` hook. Call it every N steps and save then (see fabriclite.supervision.rank_signals)."""
+        ``on_preempt(fabric)`` hook. Call it every N steps and save then (see fabriclite.supervision.rank.signals)."""
         self._check_launched("check_preempted")
         agreed = rank_signals.check(self._strategy)
         if agreed and not self._preempted:

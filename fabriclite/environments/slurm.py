@@ -3,6 +3,8 @@
 import os
 import re
 import signal
+import subprocess
+import sys
 from typing import Any, List, Optional, Union
 
 from fabriclite.environments._vars import (first_set, main_address_or, main_port_or, parse_int, read_int,
@@ -82,6 +84,37 @@ def requeue_from_env() -> bool:
 
 #: Lightning's address and port when neither MASTER_* nor SLURM's node list / job id are set
 DEFAULT_ADDRESS, DEFAULT_PORT = "127.0.0.1", 12910
+
+
+def slurm_job() -> Optional[str]:
+    """The SLURM job to requeue: ``$SLURM_ARRAY_JOB_ID_$SLURM_ARRAY_TASK_ID`` for an array job, else
+    ``$SLURM_JOB_ID``; None outside SLURM."""
+    env = os.environ
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+def requeue(print_to: Any = sys.stderr) -> bool:
+    """Run ``scontrol requeue <job>`` (see slurm_job); whether it succeeded. Says what it does on ``print_to``
+    (stderr by default) before it runs it: SLURM ends every process of the job as it requeues it, this one and
+    scontrol included, so a line printed after could be lost. A scontrol ended by SIGTERM / SIGKILL is taken as
+    that (requeued); a failure is said with scontrol's message."""
+    job = slurm_job()
+    if job is None:
+        return False
+    out = print_to or sys.stderr
+    print(f"fabriclite: requeueing SLURM job {job} (scontrol requeue {job}).", file=out, flush=True)
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        ok = done.returncode == 0 or -done.returncode in (signal.SIGTERM, signal.SIGKILL)
+        detail = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
+    except (OSError, subprocess.TimeoutExpired) as err:
+        ok, detail = False, str(err)
+    if not ok:
+        print(f"fabriclite: could not requeue SLURM job {job}: scontrol requeue {job} failed: {detail}", file=out,
+              flush=True)
+    return ok
 
 
 def _first_node() -> str:

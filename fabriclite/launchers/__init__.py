@@ -15,7 +15,7 @@ from typing import Any
 from fabriclite.launchers.base import Launcher
 from fabriclite.launchers.multiprocessing import MultiprocessingLauncher
 from fabriclite.launchers.subprocess_script import SubprocessScriptLauncher
-from fabriclite.supervision.supervisor import JobFailed
+from fabriclite.supervision.agent.supervisor import JobFailed
 
 
 def launcher_for(start_method: str, cluster_environment: Any, num_processes: int, num_nodes: int,

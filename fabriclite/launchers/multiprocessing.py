@@ -13,12 +13,12 @@ from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fabriclite.launchers.base import Launcher
-from fabriclite.supervision.rank_child import watch_supervisor, write_error_file
-from fabriclite.supervision.output_forwarding import OutputOptions, redirect_output
-from fabriclite.supervision.preemption import EXIT_PREEMPTED, PreemptOptions
-from fabriclite.supervision.stopping import print_summary
-from fabriclite.supervision.node_layout import NodeLayout
-from fabriclite.supervision.supervisor import JobFailed, Supervisor
+from fabriclite.supervision.rank.child import watch_supervisor, write_error_file
+from fabriclite.supervision.agent.output_forwarding import OutputOptions, redirect_output
+from fabriclite.supervision.agent.preemption import EXIT_PREEMPTED, PreemptOptions
+from fabriclite.supervision.processes.stopping import print_summary
+from fabriclite.supervision.agent.node_layout import NodeLayout
+from fabriclite.supervision.agent.supervisor import JobFailed, Supervisor
 
 
 class ProcessWorker:

@@ -14,14 +14,14 @@ from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence
 from fabriclite.launchers.base import Launcher
 from fabriclite.launchers.warm_spare import Spares
 from fabriclite.distributed.rendezvous import RendezvousError
-from fabriclite.supervision.rank_child import die_with_parent, load_prctl
+from fabriclite.supervision.rank.child import die_with_parent, load_prctl
 from fabriclite.supervision.lighthouse import LiveOptions
-from fabriclite.supervision.output_forwarding import OutputOptions
-from fabriclite.supervision.preemption import PreemptOptions
-from fabriclite.supervision.restarts import RestartPolicy
-from fabriclite.supervision.stopping import exit_process, print_summary
-from fabriclite.supervision.node_layout import NodeLayout
-from fabriclite.supervision.supervisor import Supervisor
+from fabriclite.supervision.agent.output_forwarding import OutputOptions
+from fabriclite.supervision.agent.preemption import PreemptOptions
+from fabriclite.supervision.agent.restarts import RestartPolicy
+from fabriclite.supervision.processes.stopping import exit_process, print_summary
+from fabriclite.supervision.agent.node_layout import NodeLayout
+from fabriclite.supervision.agent.supervisor import Supervisor
 
 
 class PopenWorker:
@@ -53,7 +53,7 @@ def run_supervised(command: Sequence[str], layout: NodeLayout, main_address: str
                    extra_env: Optional[Dict[str, str]] = None, restarts: Optional[RestartPolicy] = None,
                    preempt: Optional[PreemptOptions] = None, live: Optional[LiveOptions] = None) -> int:
     """Start ``command`` once per local rank under a Supervisor (each rank's environment gets
-    ``extra_env`` too; ``restarts`` / ``preempt`` / ``live``: see supervision.restarts / .preemption / .lighthouse,
+    ``extra_env`` too; ``restarts`` / ``preempt`` / ``live``: see supervision.agent.restarts / .preemption / .lighthouse,
     default from the environment / none); its summary goes to stderr; return the exit
     code (1 with a clear message on stderr when the rendezvous store or the lighthouse cannot be hosted or
     joined)."""

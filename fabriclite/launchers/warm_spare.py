@@ -27,9 +27,9 @@ import os
 import subprocess
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
-from fabriclite.supervision.output_forwarding import OutputOptions
-from fabriclite.supervision.rank_child import die_with_parent, load_prctl
-from fabriclite.supervision.stopping import kill_group, reap
+from fabriclite.supervision.agent.output_forwarding import OutputOptions
+from fabriclite.supervision.rank.child import die_with_parent, load_prctl
+from fabriclite.supervision.processes.stopping import kill_group, reap
 
 #: what a spare imports while it waits (``fabriclite run --fault-tolerant``'s rank)
 LIVE_PRELOAD = ("torch", "fabriclite.fabric", "fabriclite.strategies.torchft_parts")
@@ -95,7 +95,7 @@ loader.join()
 set_name(own_name)
 job = json.loads(line)
 os.environ.update(job["env"])
-from fabriclite.supervision.rank_child import install_stack_handler
+from fabriclite.supervision.rank.child import install_stack_handler
 install_stack_handler()  # the supervisor's stack handler (the sitecustomize bootstrap ran before the env came)
 sys.stdin.close()
 sys.stdin = open(os.devnull)

@@ -20,8 +20,8 @@ from fabriclite.distributed import gloo_exit
 from fabriclite.strategies import ddp_buckets
 from fabriclite.strategies.base import copy_into
 from fabriclite.strategies.parallel import ParallelStrategy
-from fabriclite.supervision.output_forwarding import prefixed_by_supervisor
-from fabriclite.supervision.rank_watch import CollectiveWatch
+from fabriclite.supervision.agent.output_forwarding import prefixed_by_supervisor
+from fabriclite.supervision.rank.collective_watch import CollectiveWatch
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -168,7 +168,7 @@ class DDPStrategy(ParallelStrategy):
         self._start_watch(rank, world)
 
     def _start_watch(self, rank: int, world: int) -> None:
-        """Count collectives and publish the counts (see supervision.rank_watch), so that a timed-out or
+        """Count collectives and publish the counts (see supervision.rank.collective_watch), so that a timed-out or
         broken collective names the ranks that did not arrive."""
         assert self._store is not None
         try:

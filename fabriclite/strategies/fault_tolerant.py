@@ -42,7 +42,7 @@ class FaultTolerantStrategy(DDPStrategy):
     ``fabriclite run --fault-tolerant`` (``check_configuration`` raises ValueError elsewhere)."""
 
     #: the optimizer's ``zero_grad`` (the step's quorum) and ``step`` (the commit vote) wait on the other groups:
-    #: the supervisor's hang and straggler watches count them as waits (supervision/rank_progress.py)
+    #: the supervisor's hang and straggler watches count them as waits (supervision/rank/progress.py)
     waits_in_optimizer = True
 
     name = "fault_tolerant"

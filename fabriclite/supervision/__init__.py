@@ -1,20 +1,23 @@
 """Watching ranks: what turns one rank's failure into one clear ending of the job, restarts it, or lets it
-save when the cluster preempts it.
+save when the cluster preempts it. Four folders, one job each (torch.distributed.elastic's ``agent/``,
+``multiprocessing/``, ``events/`` and ``timer/`` keep the same concerns apart):
 
-The supervisor's side (one process per node that starts nothing itself: the launchers call it):
-``supervisor`` (start, watch, stop one node's ranks; a round's ranks in ``round_ranks``, its signal handlers in
-``supervisor_signals``), ``failures`` (the one summary), ``restarts`` (rounds,
-``--max-restarts``), ``preemption`` (grace period, forwarding, requeue), ``reaper`` (outlives a killed
-supervisor to kill its ranks' helpers), ``linger`` (node 0 keeps the store up), ``stopping`` (kill and reap),
-``output_forwarding`` ([rank N] prefixes, per-rank log files), ``hang_watch`` (hangs: the optimizer-step watch, the
-stack snapshot before a collective timeout) and ``stacks`` (live stacks: py-spy or the ranks' faulthandler).
+- ``agent/``: the node's supervisor and its rounds (start, watch, stop, restart, preempt), its signal handlers, the
+  node's layout and the ranks' output.
+- ``watch/``: what the supervisor watches its ranks for: hangs (with live stacks), stragglers, the events record
+  and goodput.
+- ``rank/``: the rank's side, run inside a rank: the error file and dying with the supervisor, preemption
+  signals, the collective watch, the progress record the supervisor reads, the bootstrap that installs the stack
+  handler before anything is imported.
+- ``processes/``: a process's ending: stopping and reaping, the reaper that outlives a killed supervisor, a
+  failure read from a rank's exit and error file.
 
-The rank's side, in files named ``rank_*`` (they run inside a rank): ``rank_child`` (error file, die with the
-supervisor), ``rank_signals`` (record SIGTERM / SIGUSR1, agree on preemption), ``rank_watch`` (the collective
-watch thread that names the ranks a failed collective waited for), ``rank_progress`` (steps, collectives and waits
-in a shared-memory record the supervisor reads); ``rank_bootstrap/sitecustomize.py`` installs the stack handler
-before anything is imported.
+``lighthouse`` (torchft's lighthouse process under ``--fault-tolerant``, kept up by node 0's supervisor) sits
+beside them. What supervisors and ranks say to each other through the job's store is
+``fabriclite.distributed.control_plane``'s.
 
+Inside: ``agent`` may import ``watch``, ``rank``, ``processes`` and ``lighthouse``; ``lighthouse`` and ``watch`` may
+import ``rank`` and ``processes``; ``rank`` and ``processes`` import neither each other nor anything above them.
 May import: ``accelerators``, ``environments``, ``precision``, ``distributed``. Never ``launchers``,
 ``strategies`` or anything above them.
 """

@@ -26,8 +26,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from fabriclite.distributed import rendezvous
 from fabriclite.distributed.network import local_address_towards
-from fabriclite.supervision.rank_child import die_with_parent, load_prctl
-from fabriclite.supervision.stopping import kill_group, reap
+from fabriclite.supervision.rank.child import die_with_parent, load_prctl
+from fabriclite.supervision.processes.stopping import kill_group, reap
 
 #: a group whose heartbeat is this old is dead for the lighthouse (torchft's default: 5 s)
 HEARTBEAT_TIMEOUT_MS = 1000

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator, Optional
 
-from fabriclite.supervision import rank_progress
+from fabriclite.supervision.rank import progress as rank_progress
 
 
 class NullBar:
@@ -63,7 +63,7 @@ _bars: dict = {}
 
 def _bar_class(tqdm: Any) -> Any:
     """tqdm showing the slowest rank (``slowest=rank 2 +35%``) while the supervisor names a straggler
-    (fabriclite.supervision.stragglers); one look at a shared-memory field per item."""
+    (fabriclite.supervision.watch.stragglers); one look at a shared-memory field per item."""
     if tqdm not in _bars:
         class StragglerBar(tqdm):  # type: ignore[misc, valid-type]
             def __init__(self, *args: Any, _record: Any = None, **kwargs: Any) -> None:

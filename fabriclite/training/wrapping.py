@@ -26,7 +26,7 @@ from fabriclite.checkpoint import elastic, loader_position
 from fabriclite.training import forward_methods
 from fabriclite.training.callbacks import call_hook
 from fabriclite.strategies.base import Strategy
-from fabriclite.supervision import rank_progress
+from fabriclite.supervision.rank import progress as rank_progress
 
 #: LightningModule-style step methods that go through the strategy's forward (like ``forward``)
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")

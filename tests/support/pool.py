@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fabriclite.distributed import rendezvous
-from fabriclite.supervision.rank_child import die_with_parent
+from fabriclite.supervision.rank.child import die_with_parent
 
 
 def verdict_group() -> Any:

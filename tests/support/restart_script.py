@@ -218,7 +218,7 @@ def _wait_for_spares(count):
 
 
 def _wait_for_preemption():
-    from fabriclite.supervision import rank_signals as preemption
+    from fabriclite.supervision.rank import signals as preemption
 
     print("WAITING", flush=True)
     deadline = time.monotonic() + 120

@@ -13,7 +13,7 @@ import pytest
 
 from fabriclite.launchers.warm_spare import (IMPORT_NICE, LIVE_PRELOAD, READY_NAME, RESTART_PRELOAD, SPARES_ENV, Job,
                                              Spares, SpareWorker, parse_command)
-from fabriclite.supervision.output_forwarding import OutputOptions
+from fabriclite.supervision.agent.output_forwarding import OutputOptions
 
 SCRIPT = """
 import os, sys

@@ -1,4 +1,4 @@
-"""Hangs explained with live stacks (supervision/stacks.py, supervision/hang_watch.py), with real ranks: the
+"""Hangs explained with live stacks (supervision/watch/stacks.py, supervision/watch/hangs.py), with real ranks: the
 summary of a job stopped because of a hang shows every live rank's stacks, taken before the SIGTERM, by py-spy
 and by the faulthandler handler the rank's bootstrap installs; SIGQUIT to the supervisor prints them and the job
 goes on to the same weights.

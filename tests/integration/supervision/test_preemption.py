@@ -42,7 +42,7 @@ def test_sigusr1_then_the_check_preempted_save_exit_75_and_a_second_launch_give_
 WAITER = r'''
 import os, sys, time
 from fabriclite import Fabric
-from fabriclite.supervision import rank_signals as preemption
+from fabriclite.supervision.rank import signals as preemption
 
 class Hook:
     def on_preempt(self, fabric):
@@ -86,7 +86,7 @@ def test_the_requeue_signal_and_sigterm_reach_every_rank_once(tmp_path):
 OWN_HANDLER = r'''
 import os, signal
 from fabriclite import Fabric
-from fabriclite.supervision import rank_signals
+from fabriclite.supervision.rank import signals as rank_signals
 
 def submitit_like(signum, frame):  # a program's own handler for the requeue signal (submitit installs one)
     print("OWN HANDLER", flush=True)
@@ -121,7 +121,7 @@ def test_bad_preempt_grace_is_one_error_line(tmp_path):
 
 # ---------------------------------------------------------------------- in process, on the pool's ranks
 def _agree_on_one_ranks_signal(fabric):
-    from fabriclite.supervision import rank_signals as preemption
+    from fabriclite.supervision.rank import signals as preemption
 
     calls = []
 

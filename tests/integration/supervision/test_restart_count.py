@@ -6,7 +6,7 @@ import os
 
 
 def _agree_with_counts_that_differ(fabric):
-    from fabriclite.supervision.restarts import agree_restart_count
+    from fabriclite.supervision.agent.restarts import agree_restart_count
 
     saved = {k: os.environ.get(k) for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT",
                                              "FABRICLITE_RESTART_COUNT")}

@@ -1,4 +1,4 @@
-"""Stragglers named (supervision/stragglers.py), with 3 real ranks on gloo: one rank with an injected delay outside
+"""Stragglers named (supervision/watch/stragglers.py), with 3 real ranks on gloo: one rank with an injected delay outside
 backward (SLOW_S per step against BASE_S) is named within a few windows, by rank and node, with how much slower,
 in one line, an event and the progress bar; a balanced job names nobody.
 

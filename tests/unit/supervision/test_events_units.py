@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fabriclite.supervision import events, goodput
+from fabriclite.supervision.watch import events, goodput
 
 
 def test_events_append_one_json_line_each_with_schema_and_run(tmp_path, monkeypatch):
@@ -60,7 +60,7 @@ def test_goodput_parts_across_a_restart_and_a_requeue():
 
 
 def test_a_straggler_is_named_once_after_enough_windows_in_a_row(monkeypatch):
-    from fabriclite.supervision.stragglers import StragglerWatch
+    from fabriclite.supervision.watch.stragglers import StragglerWatch
 
     monkeypatch.setenv("FABRICLITE_STRAGGLER_WINDOW", "4")
     monkeypatch.setenv("FABRICLITE_STRAGGLER_WINDOWS", "2")

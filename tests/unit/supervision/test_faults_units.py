@@ -17,10 +17,10 @@ import pytest
 import torch.distributed as dist
 
 from fabriclite.distributed import rendezvous
-from fabriclite.supervision.rank_child import is_secondary, write_error_file
-from fabriclite.supervision.failures import Failure, remote_is_root, root_cause, summarize
-from fabriclite.supervision.reaper import Reaper
-from fabriclite.supervision.rank_watch import CollectiveTimeout, CollectiveWatch, PeerLost
+from fabriclite.supervision.rank.child import is_secondary, write_error_file
+from fabriclite.supervision.processes.failures import Failure, remote_is_root, root_cause, summarize
+from fabriclite.supervision.processes.reaper import Reaper
+from fabriclite.supervision.rank.collective_watch import CollectiveTimeout, CollectiveWatch, PeerLost
 from helpers import free_port
 
 
@@ -225,8 +225,8 @@ def test_a_store_that_is_gone_reads_as_a_failure() -> None:
 
 
 def test_a_signal_ends_the_wait_for_node_0s_store() -> None:
-    from fabriclite.supervision.node_layout import NodeLayout
-    from fabriclite.supervision.supervisor import Supervisor
+    from fabriclite.supervision.agent.node_layout import NodeLayout
+    from fabriclite.supervision.agent.supervisor import Supervisor
 
     supervisor = Supervisor(NodeLayout(num_nodes=2, node_rank=1, local_world_size=1), "127.0.0.1", free_port(),
                             timedelta(seconds=60), report=False)
@@ -251,9 +251,9 @@ def _two_ranks(code: str, grace_s: float):
     import sys
 
     from fabriclite.launchers.subprocess_script import PopenWorker
-    from fabriclite.supervision.node_layout import NodeLayout
-    from fabriclite.supervision.output_forwarding import OutputOptions
-    from fabriclite.supervision.supervisor import Supervisor
+    from fabriclite.supervision.agent.node_layout import NodeLayout
+    from fabriclite.supervision.agent.output_forwarding import OutputOptions
+    from fabriclite.supervision.agent.supervisor import Supervisor
 
     layout = NodeLayout(num_nodes=1, node_rank=0, local_world_size=2)
     supervisor = Supervisor(layout, "127.0.0.1", 0, timedelta(seconds=10), OutputOptions(), grace_s=grace_s,
@@ -284,8 +284,8 @@ def test_a_rank_that_raised_gets_its_teardown_time_beyond_the_grace(tmp_path, mo
     """A rank that raised is exiting already (its teardown may wait up to 2 s for gloo's workers): after SIGTERM it
     gets the grace plus EXITING_S before SIGKILL. Here it needs 1.5 s to exit with a 0.5 s grace, and is not killed;
     the test fails with the grace alone (the summary then names it as SIGKILLed)."""
-    from fabriclite.supervision.rank_child import ERROR_FILE_ENV, write_error_file
-    from fabriclite.supervision.round_ranks import EXITING_S
+    from fabriclite.supervision.rank.child import ERROR_FILE_ENV, write_error_file
+    from fabriclite.supervision.agent.round_ranks import EXITING_S
 
     assert EXITING_S > 1.5 - 0.5  # the slow exit below fits the extra time and not the grace alone
     record = str(tmp_path / "record.json")  # rank 1's error record, written here by the ranks' own writer: the

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fabriclite.supervision import restarts
-from fabriclite.supervision.restarts import RestartPolicy, run_rounds
+from fabriclite.supervision.agent import restarts
+from fabriclite.supervision.agent.restarts import RestartPolicy, run_rounds
 
 
 class Node:

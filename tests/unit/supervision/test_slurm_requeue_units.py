@@ -11,8 +11,8 @@ from hypothesis import given, strategies as st
 
 from fabriclite import cli
 from fabriclite.environments.slurm import SLURMEnvironment, parse_signal
-from fabriclite.supervision import rank_signals
-from fabriclite.supervision.preemption import PreemptOptions
+from fabriclite.supervision.rank import signals as rank_signals
+from fabriclite.supervision.agent.preemption import PreemptOptions
 
 STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "3", "SLURM_PROCID": "2",
         "SLURM_STEP_NUM_NODES": "3", "SLURM_STEP_NUM_TASKS": "3", "SLURM_NODEID": "2", "SLURM_LOCALID": "0",

@@ -11,10 +11,11 @@ import time
 
 import pytest
 
-from fabriclite.supervision import rank_progress, stacks
-from fabriclite.supervision.failures import Failure
-from fabriclite.supervision.hang_watch import HangWatch, hang_timeout, is_hang
-from fabriclite.supervision.rank_child import STACK_SIGNAL
+from fabriclite.supervision.rank import progress as rank_progress
+from fabriclite.supervision.watch import stacks
+from fabriclite.supervision.processes.failures import Failure
+from fabriclite.supervision.watch.hangs import HangWatch, hang_timeout, is_hang
+from fabriclite.supervision.rank.child import STACK_SIGNAL
 
 PYSPY = '''Process 8924: python3 train.py
 Python v3.11.7 (/usr/bin/python3.11)
@@ -143,7 +144,7 @@ def test_the_bootstrap_handler_answers_even_while_the_rank_imports_torch(tmp_pat
     assert proc.returncode == 0, out
     assert taken[0].method == "faulthandler" and taken[0].threads, taken
     # the bootstrap's own traces are gone before the script runs: not on PYTHONPATH, no stack file for children
-    assert "rank_bootstrap" not in out and out.strip().endswith("False"), out
+    assert stacks.BOOTSTRAP_DIR not in out and out.strip().endswith("False"), out
     assert STACK_SIGNAL > 0
 
 

@@ -147,7 +147,7 @@ def main() -> None:
 
 
 def wait_for_signal() -> None:
-    from fabriclite.supervision import rank_signals
+    from fabriclite.supervision.rank import signals as rank_signals
 
     with open(os.path.join(ACCOUNT_DIR, "waiting"), "w") as f:
         f.write("waiting\n")

@@ -1,6 +1,6 @@
 """fabriclite's rank bootstrap: the supervisor puts this folder first on a rank's ``PYTHONPATH``, so that Python
 runs this at start-up, before torch or the script is imported. It installs the stack handler
-(``fabriclite.supervision.rank_child.install_stack_handler``, loaded by path: importing the fabriclite package
+(``fabriclite.supervision.rank.child.install_stack_handler``, loaded by path: importing the fabriclite package
 would import torch), takes this folder off ``PYTHONPATH`` and ``sys.path`` again, and runs the ``sitecustomize``
 that this one hid, if any. Standard library only."""
 import importlib.util
@@ -16,7 +16,7 @@ def _bootstrap() -> None:
         del os.environ["PYTHONPATH"]
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     spec = importlib.util.spec_from_file_location(
-        "_fabriclite_rank_bootstrap", os.path.join(os.path.dirname(here), "rank_child.py"))
+        "_fabriclite_rank_bootstrap", os.path.join(os.path.dirname(here), "child.py"))
     if spec is not None and spec.loader is not None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

@@ -10,10 +10,10 @@ import signal
 import time
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from fabriclite.supervision.failures import Failure
-from fabriclite.supervision.hang_watch import HangWatch
-from fabriclite.supervision.node_layout import NodeLayout, Worker
-from fabriclite.supervision.stopping import kill_group, reap
+from fabriclite.supervision.processes.failures import Failure
+from fabriclite.supervision.watch.hangs import HangWatch
+from fabriclite.supervision.agent.node_layout import NodeLayout, Worker
+from fabriclite.supervision.processes.stopping import kill_group, reap
 
 POLL_S = 0.05
 #: how long to wait for the root cause while only ranks that lost a peer were seen failing: the peer is exiting, which

@@ -8,7 +8,7 @@ Two ways, the first that works per rank:
   the rank did with its signal handlers. Where ptrace is refused (a non-root user in a container without
   ``CAP_SYS_PTRACE``, or ``kernel.yama.ptrace_scope`` 2 / 3) it fails, and the handler is used instead.
 - The handler: every rank started by a supervisor registers ``faulthandler`` on :data:`STACK_SIGNAL` in its
-  bootstrap, before torch or the script is imported (``rank_bootstrap/sitecustomize.py``), writing to a per-rank
+  bootstrap, before torch or the script is imported (``rank/bootstrap/sitecustomize.py``), writing to a per-rank
   file. faulthandler writes from C, so a rank blocked inside a collective still answers; it does not name
   threads. A rank whose handler is not installed yet (its interpreter still starting) is not signalled.
 
@@ -28,11 +28,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from fabriclite.supervision import rank_progress
-from fabriclite.supervision.rank_child import STACK_FILE_ENV, STACK_SIGNAL
+from fabriclite.supervision.rank import progress as rank_progress
+from fabriclite.supervision.rank.child import STACK_FILE_ENV, STACK_SIGNAL
 
 STACKS_ENV = "FABRICLITE_STACKS"
-BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_bootstrap")
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rank", "bootstrap")
 #: how long one rank's dump may take (py-spy, or the handler's file to stop growing)
 DUMP_TIMEOUT_S = 10.0
 #: library frames shown per thread after the user's frames (the rest are counted)

@@ -1,4 +1,4 @@
-"""Hangs, seen by a node's supervisor, explained with live stacks (supervision/stacks.py).
+"""Hangs, seen by a node's supervisor, explained with live stacks (supervision/watch/stacks.py).
 
 A hang is:
 
@@ -23,9 +23,10 @@ import os
 import time
 from typing import Dict, Optional, Sequence, Tuple
 
-from fabriclite.supervision import rank_progress, stacks
-from fabriclite.supervision.failures import Failure
-from fabriclite.supervision.rank_child import stacks_marker
+from fabriclite.supervision.rank import progress as rank_progress
+from fabriclite.supervision.watch import stacks
+from fabriclite.supervision.processes.failures import Failure
+from fabriclite.supervision.rank.child import stacks_marker
 
 HANG_TIMEOUT_ENV = "FABRICLITE_HANG_TIMEOUT"
 #: how often the supervisor reads its ranks' records for the step watch (seconds)
@@ -60,7 +61,7 @@ def is_hang(failure: Failure) -> bool:
 
 
 class HangWatch:
-    """One node's view of its ranks' progress (their ``rank_progress`` records) and their stacks."""
+    """One node's view of its ranks' progress (their ``supervision.rank.progress`` records) and their stacks."""
 
     def __init__(self, node_rank: int, global_rank: "callable", timeout_s: float) -> None:  # type: ignore[valid-type]
         self.node_rank = node_rank
@@ -145,7 +146,7 @@ class HangWatch:
     def error_seen(self, local_rank: int, error_file: str, workers: Dict[int, Tuple[int, bool]],
                    failed: Sequence[int]) -> None:
         """Rank ``local_rank`` wrote ``error_file``: if it reports a collective timeout, take the live ranks' stacks
-        now, while it waits for them (rank_child.wait_for_stacks) and the others are where it left them; then let
+        now, while it waits for them (rank.child.wait_for_stacks) and the others are where it left them; then let
         it go. ``failed``: local ranks whose errors are known (their tracebacks are in the summary)."""
         failure = Failure.from_exit(self.node_rank, self._global_rank(local_rank), local_rank, None, error_file)
         if is_hang(failure) and not self.taken:

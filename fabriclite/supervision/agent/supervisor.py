@@ -12,12 +12,12 @@ the job into one clear ending.
   stops its ranks, naming the failed node and rank. Node 0 keeps the store up until the other
   nodes have ended (or, after a failure, read it).
 - The ranks die with the supervisor (PR_SET_PDEATHSIG), and a reaper process kills what they
-  started if the supervisor is killed (see reaper.py).
+  started if the supervisor is killed (see supervision/processes/reaper.py).
 - SIGINT to the supervisor stops every rank (exit code 130); the first SIGTERM / requeue signal (SIGUSR1) is a
-  preemption notice with a grace period (supervision/preemption.py), a second one stops every rank (128 + signal).
-  (The handlers: supervision/supervisor_signals.py.)
-- Restarts (supervision/restarts.py): with ``restarts.max_restarts``, a failed round is followed by a new one.
-  A round's ranks are started, polled and stopped by supervision/round_ranks.py, which also runs the launcher's
+  preemption notice with a grace period (supervision/agent/preemption.py), a second one stops every rank (128 + signal).
+  (The handlers: supervision/agent/supervisor_signals.py.)
+- Restarts (supervision/agent/restarts.py): with ``restarts.max_restarts``, a failed round is followed by a new one.
+  A round's ranks are started, polled and stopped by supervision/agent/round_ranks.py, which also runs the launcher's
   ``when_up`` once the round's ranks here have done their first step (warm spares start then).
 - Live recovery (``live``, supervision/lighthouse.py): the node is a job of its own (its own store, restarts
   and exit code); node 0's supervisor also runs the lighthouse, the one thing the nodes share.
@@ -34,22 +34,22 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 from fabriclite.distributed import rendezvous
 from fabriclite.environments.fabriclite_env import child_env
-from fabriclite.supervision.rank_child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
-from fabriclite.supervision.failures import Failure, remote_is_root, root_cause, signal_name, summarize
-from fabriclite.supervision.goodput import JobRecord
-from fabriclite.supervision.hang_watch import HangWatch, is_hang
-from fabriclite.supervision.rank_progress import write_slowest
-from fabriclite.supervision.stragglers import StragglerWatch
-from fabriclite.supervision.output_forwarding import OutputOptions
+from fabriclite.supervision.rank.child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV, stop_marker
+from fabriclite.supervision.processes.failures import Failure, remote_is_root, root_cause, signal_name, summarize
+from fabriclite.supervision.watch.goodput import JobRecord
+from fabriclite.supervision.watch.hangs import HangWatch, is_hang
+from fabriclite.supervision.rank.progress import write_slowest
+from fabriclite.supervision.watch.stragglers import StragglerWatch
+from fabriclite.supervision.agent.output_forwarding import OutputOptions
 from fabriclite.supervision.lighthouse import Lighthouse, LiveOptions, wait_reachable
-from fabriclite.supervision.linger import leave
-from fabriclite.supervision.node_layout import NodeLayout, Worker
-from fabriclite.supervision.preemption import EXIT_PREEMPTED, PreemptOptions, Preemption, stop_marker
-from fabriclite.supervision.reaper import Reaper
-from fabriclite.supervision.restarts import MAX_RESTARTS_ENV, RestartPolicy, run_rounds
-from fabriclite.supervision.round_ranks import POLL_S, RoundRanks
-from fabriclite.supervision import supervisor_signals
-from fabriclite.supervision.stopping import print_summary
+from fabriclite.supervision.agent.linger import leave
+from fabriclite.supervision.agent.node_layout import NodeLayout, Worker
+from fabriclite.supervision.agent.preemption import EXIT_PREEMPTED, PreemptOptions, Preemption
+from fabriclite.supervision.processes.reaper import Reaper
+from fabriclite.supervision.agent.restarts import MAX_RESTARTS_ENV, RestartPolicy, run_rounds
+from fabriclite.supervision.agent.round_ranks import POLL_S, RoundRanks
+from fabriclite.supervision.agent import supervisor_signals
+from fabriclite.supervision.processes.stopping import print_summary
 
 REMOTE_POLL_S = 0.5
 DEFAULT_MULTI_NODE_PORT = 29500
@@ -107,16 +107,16 @@ class Supervisor:
         self.preemption = Preemption(preempt)
         self.live = live
         self._lighthouse: Optional[Lighthouse] = None
-        #: ranks' progress records, the optimizer-step hang watch and live stacks (supervision/hang_watch.py)
+        #: ranks' progress records, the optimizer-step hang watch and live stacks (supervision/watch/hangs.py)
         self.hangs = HangWatch(layout.node_rank, layout.global_rank, timeout.total_seconds())
         self.hangs.live = live is not None
         self._dump_requested = False
-        #: the node's events record (supervision/events.py) and node 0's goodput line (supervision/goodput.py)
+        #: the node's events record (supervision/watch/events.py) and node 0's goodput line (supervision/watch/goodput.py)
         self.record = JobRecord(layout.node_rank, self.run_id, self.output.log_dir, layout.local_world_size)
-        #: ranks slower than the median, from their busy time (supervision/stragglers.py)
+        #: ranks slower than the median, from their busy time (supervision/watch/stragglers.py)
         self.stragglers = StragglerWatch(layout.node_rank, layout.num_nodes,
                                          lambda rank: rank // layout.local_world_size)
-        #: this node's ranks of the round being played (supervision/round_ranks.py)
+        #: this node's ranks of the round being played (supervision/agent/round_ranks.py)
         self.ranks = RoundRanks(layout, self.hangs, self._error_file)
         self._when_up: Optional[Callable[[], None]] = None
 
@@ -189,7 +189,7 @@ class Supervisor:
     def run(self, start: Callable[[int, Dict[str, str]], Worker],
             when_up: Optional[Callable[[], None]] = None) -> int:
         """Open the job's store, start the ranks, watch them; return the node's exit code. ``when_up`` runs once
-        per round, when every rank here has finished its first optimizer step (supervision/round_ranks.py).
+        per round, when every rank here has finished its first optimizer step (supervision/agent/round_ranks.py).
 
         Raises RendezvousError (naming address and port) when the store cannot be hosted or joined;
         a signal while joining ends the wait at once (exit code 128 + signal)."""
@@ -348,7 +348,7 @@ class Supervisor:
 
     def _stacks(self, why: str, failed: Set[int] = frozenset()) -> str:  # type: ignore[assignment]
         """Every live rank's stacks (all threads; not those of ``failed`` local ranks: their tracebacks are in the
-        summary), with their progress (supervision/stacks.py)."""
+        summary), with their progress (supervision/watch/stacks.py)."""
         return self.hangs.stacks(self.ranks.live(failed), why)
 
     def _hung(self, reason: str) -> int:
@@ -380,7 +380,7 @@ class Supervisor:
         return EXIT_PREEMPTED
 
     def _leave(self, failed: bool) -> None:
-        """Across nodes, node 0 keeps the store up until the other nodes have ended (see linger.py)."""
+        """Across nodes, node 0 keeps the store up until the other nodes have ended (see supervision/agent/linger.py)."""
         if self.layout.num_nodes > 1 and self._store is not None:
             leave(self._store, self.layout.node_rank, self.layout.num_nodes, failed, lambda: self._signal is not None)
 

@@ -2,7 +2,7 @@
 
 - The first SIGTERM or requeue signal (SIGUSR1 unless ``--requeue-signal`` / ``$FABRICLITE_REQUEUE_SIGNAL``
   says otherwise) to a supervisor marks the job preempted: the supervisor forwards the signal to
-  its ranks (which record it: fabriclite/supervision/rank_signals.py) and gives them a grace period (``--preempt-grace``,
+  its ranks (which record it: fabriclite/supervision/rank/signals.py) and gives them a grace period (``--preempt-grace``,
   ``$FABRICLITE_PREEMPT_GRACE``, default 20 s) to save and exit. When it is over, or on a second signal or a
   SIGINT, the ranks are stopped as after any failure.
 - A preempted job is never restarted.
@@ -16,25 +16,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from fabriclite.environments.slurm import REQUEUE_ENV, REQUEUE_SIGNAL_ENV, requeue_from_env, requeue_signal_from_env
+from fabriclite.environments.slurm import (REQUEUE_ENV, REQUEUE_SIGNAL_ENV, requeue, requeue_from_env,
+                                          requeue_signal_from_env, slurm_job)
 
 GRACE_ENV = "FABRICLITE_PREEMPT_GRACE"
 __all__ = ["GRACE_ENV", "REQUEUE_ENV", "REQUEUE_SIGNAL_ENV", "DEFAULT_GRACE_S", "EXIT_PREEMPTED", "PreemptOptions",
-           "Preemption", "parse_grace", "requeue", "slurm_job", "stop_marker"]
+           "Preemption", "parse_grace"]
 DEFAULT_GRACE_S = 20.0
 #: EX_TEMPFAIL: the job was preempted and can resume from its last checkpoint
 EXIT_PREEMPTED = 75
-
-
-def stop_marker(error_file: str) -> str:
-    """The file a supervisor creates beside its ranks' error files before it stops them with SIGTERM."""
-    return os.path.join(os.path.dirname(error_file), "stopping")
 
 
 def parse_grace(value: Any, where: str) -> float:
@@ -69,37 +63,6 @@ class PreemptOptions:
     def child_env(self) -> Dict[str, str]:
         """What the ranks must know to record the same signal: ``$FABRICLITE_REQUEUE_SIGNAL``."""
         return {REQUEUE_SIGNAL_ENV: self.requeue_signal.name}
-
-
-def slurm_job() -> Optional[str]:
-    """The SLURM job to requeue: ``$SLURM_ARRAY_JOB_ID_$SLURM_ARRAY_TASK_ID`` for an array job, else
-    ``$SLURM_JOB_ID``; None outside SLURM."""
-    env = os.environ
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return env.get("SLURM_JOB_ID") or None
-
-
-def requeue(print_to: Any = sys.stderr) -> bool:
-    """Run ``scontrol requeue <job>`` (see slurm_job); whether it succeeded. Says what it does on ``print_to``
-    (stderr by default) before it runs it: SLURM ends every process of the job as it requeues it, this one and
-    scontrol included, so a line printed after could be lost. A scontrol ended by SIGTERM / SIGKILL is taken as
-    that (requeued); a failure is said with scontrol's message."""
-    job = slurm_job()
-    if job is None:
-        return False
-    out = print_to or sys.stderr
-    print(f"fabriclite: requeueing SLURM job {job} (scontrol requeue {job}).", file=out, flush=True)
-    try:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-        ok = done.returncode == 0 or -done.returncode in (signal.SIGTERM, signal.SIGKILL)
-        detail = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
-    except (OSError, subprocess.TimeoutExpired) as err:
-        ok, detail = False, str(err)
-    if not ok:
-        print(f"fabriclite: could not requeue SLURM job {job}: scontrol requeue {job} failed: {detail}", file=out,
-              flush=True)
-    return ok
 
 
 class Preemption:

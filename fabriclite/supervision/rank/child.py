@@ -157,7 +157,7 @@ def install_stack_handler() -> bool:
     """Register faulthandler on :data:`STACK_SIGNAL` to this rank's stack file (``$FABRICLITE_STACK_FILE``), all
     threads, not chained; creating the file says the handler is installed (the supervisor signals only then).
     Runs in the rank's bootstrap before torch or the script is imported (``sitecustomize`` on the supervisor's
-    ``PYTHONPATH`` entry, see supervision/stacks.py). Returns whether a handler was installed."""
+    ``PYTHONPATH`` entry, see supervision/watch/stacks.py). Returns whether a handler was installed."""
     global _stack_file
     import faulthandler
 
@@ -191,9 +191,14 @@ def stacks_marker(error_file: str) -> str:
 
 def wait_for_stacks(error_file: str, exc: BaseException) -> None:
     """After a collective timeout, stay (up to STACKS_WAIT_S) until the supervisor has taken the live ranks'
-    stacks, so that they show where the others were when this rank gave up (supervision/hang_watch.py)."""
+    stacks, so that they show where the others were when this rank gave up (supervision/watch/hangs.py)."""
     if not is_timeout_error(exc) or is_secondary(exc) or SUPERVISOR_PID_ENV not in os.environ:
         return
     deadline = time.monotonic() + STACKS_WAIT_S
     while not os.path.exists(stacks_marker(error_file)) and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def stop_marker(error_file: str) -> str:
+    """The file a supervisor creates beside its ranks' error files before it stops them with SIGTERM."""
+    return os.path.join(os.path.dirname(error_file), "stopping")

@@ -5,7 +5,7 @@ all-reduce), so what is compared is each rank's **busy time**: its time outside 
 measures, per step (one call of ``FabricOptimizer.step``), the time since its previous step less the time spent in
 ``fabric.backward`` (which holds the wait for the gradient all-reduce) and in fabriclite's collectives; the
 straggler waits least, so it is the busiest. No comm hook, nothing added to a gradient bucket: the numbers go from
-the rank to its supervisor through the rank's shared-memory record (rank_progress), and from the supervisors of the
+the rank to its supervisor through the rank's shared-memory record (supervision/rank/progress.py), and from the supervisors of the
 other nodes to node 0's through the job's store, once per window. Limit: a rank slow *inside* backward's own compute
 is not told apart (its compute and the others' wait are both in backward).
 

@@ -1,5 +1,5 @@
 """Goodput: the share of a run's wall time spent in optimizer steps that counted, and the badput by cause, each part
-measured from its own events (supervision/events.py), not taken as a remainder. The vocabulary follows Google's
+measured from its own events (supervision/watch/events.py), not taken as a remainder. The vocabulary follows Google's
 ``ml-goodput-measurement`` where it fits (goodput, badput, wasted progress from disruption, unproductive checkpoint
 time); "other" is what no event explains (store opening, ranks' exits).
 
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from fabriclite.supervision import events as events_mod
+from fabriclite.supervision.watch import events as events_mod
 
 PARTS = ("startup", "restart", "redone", "checkpoint", "preemption")
 _LABELS = {"startup": "start-up", "restart": "restart", "redone": "redone steps", "checkpoint": "checkpoint stalls",

@@ -15,8 +15,8 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from fabriclite.distributed import rendezvous
-from fabriclite.supervision import rank_progress
-from fabriclite.supervision.rank_child import PEER_LOST_MARKERS, SUPERVISOR_PID_ENV
+from fabriclite.supervision.rank import progress as rank_progress
+from fabriclite.supervision.rank.child import PEER_LOST_MARKERS, SUPERVISOR_PID_ENV
 
 #: how often each rank publishes its counts (seconds)
 PUBLISH_INTERVAL_S = 1.0

@@ -5,7 +5,7 @@ A cluster says "you will be stopped soon" with SIGTERM (Kubernetes, SLURM at the
 signal the job asked for (SLURM ``--signal=USR1@90``). SLURM sends it to every process of the step, and
 SIGUSR1's default action would kill a rank; so ``fabric.launch()`` installs handlers (where the program has
 none of its own) that only record the first such signal. A fabriclite supervisor that receives one forwards it
-to its ranks too, and gives them a grace period (see supervision/preemption.py).
+to its ranks too, and gives them a grace period (see supervision/agent/preemption.py).
 
 The requeue signal is ``SLURMEnvironment(requeue_signal=...)`` where srun started the ranks, else
 ``$FABRICLITE_REQUEUE_SIGNAL`` (``fabriclite run --requeue-signal``), else SIGUSR1. A program that already
@@ -23,7 +23,7 @@ file), exactly as SIGTERM's default action did.
 every rank gets the same bool at the same call.
 
 Without a supervisor (srun, mpirun) under SLURM, global rank 0 runs ``scontrol requeue`` at exit after the
-requeue signal (see supervision/preemption.requeue), unless ``SLURMEnvironment(auto_requeue=False)`` or
+requeue signal (see environments/slurm.requeue), unless ``SLURMEnvironment(auto_requeue=False)`` or
 ``$FABRICLITE_REQUEUE=0``.
 """
 from __future__ import annotations
@@ -37,9 +37,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from fabriclite.environments.slurm import SLURMEnvironment, requeue_from_env, requeue_signal_from_env
-from fabriclite.supervision.rank_child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
-from fabriclite.supervision.preemption import requeue, stop_marker
+from fabriclite.environments.slurm import SLURMEnvironment, requeue, requeue_from_env, requeue_signal_from_env
+from fabriclite.supervision.rank.child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV, stop_marker
 
 #: the signals recorded by default (the requeue signal may be another: ``requeue_settings``)
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

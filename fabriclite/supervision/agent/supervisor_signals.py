@@ -1,6 +1,6 @@
 """The supervisor's own signals (installed for its run, in the main thread only): SIGINT stops every rank (exit code
 130); SIGQUIT asks the watch loop for the ranks' live stacks, and the job goes on; the first SIGTERM / requeue signal
-(SIGUSR1) is a preemption notice with a grace period (supervision/preemption.py), a second one stops every rank
+(SIGUSR1) is a preemption notice with a grace period (supervision/agent/preemption.py), a second one stops every rank
 (128 + signal). A signal while the supervisor waits for node 0's store raises :class:`Interrupted` there."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def install(supervisor: Any) -> Callable[[], None]:
             return
         if not supervisor._opening and supervisor.preemption.notice(signum, supervisor.ranks.workers):
             supervisor.record.preemption_notice(signum)
-            return  # the first SIGTERM / requeue signal: a grace period (see supervision/preemption.py)
+            return  # the first SIGTERM / requeue signal: a grace period (see supervision/agent/preemption.py)
         supervisor._signal = signum
         if supervisor._opening:  # waiting for node 0's store: stop waiting now
             raise Interrupted()

@@ -1,2 +1,2 @@
 """Not imported: this folder holds the ``sitecustomize`` that a supervisor puts first on its ranks' ``PYTHONPATH``
-(see supervision/stacks.py); the ``__init__`` makes it part of the installed package."""
+(see supervision/watch/stacks.py); the ``__init__`` makes it part of the installed package."""
