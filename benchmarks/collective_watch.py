@@ -31,10 +31,11 @@ def main() -> None:
     results = Results("collective_watch")
 
     from fabriclite.distributed import rendezvous
+    from fabriclite.distributed.control_plane import meeting
     from fabriclite.supervision.rank.collective_watch import CollectiveWatch
 
     server = rendezvous.host_store("127.0.0.1", 0, timedelta(seconds=10))
-    store = rendezvous.prefixed(server, rendezvous.KEY_PREFIX)
+    store = meeting.job_view(server)
     per_call = []
     for _ in range(args.repeats):
         watch = CollectiveWatch(store, rank=0, world_size=2, timeout_s=60)

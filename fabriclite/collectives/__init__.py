@@ -211,7 +211,7 @@ def rank_zero_first(strategy: Strategy, local: bool = False) -> Iterator[None]:
     raises, the waiting ranks raise RankZeroFailed naming rank 0's error instead of running the block
     or hanging. Uses the job's store (no process group is created per call); without a store, rank 0
     broadcasts its outcome (then the collective timeout bounds the wait, and ``local`` acts as global)."""
-    with sync.rank_zero_first(strategy, local):
+    with sync.rank_zero_first(strategy, local, broadcast):
         yield
 
 

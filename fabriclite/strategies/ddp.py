@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fabriclite.checkpoint.checkpoint_io import CheckpointIO
 from fabriclite.distributed import rendezvous
+from fabriclite.distributed.control_plane import keys, meeting
 from fabriclite.distributed.network import gloo_interface
 from fabriclite.distributed import gloo_exit
 from fabriclite.strategies import ddp_buckets
@@ -142,15 +143,15 @@ class DDPStrategy(ParallelStrategy):
         address, port = env.main_address, env.main_port
         if getattr(env, "uses_agent_store", False) or _torchelastic_agent_store():
             store: dist.Store = rendezvous.join_store(address, port, self.timeout)
-            store = rendezvous.round_store(store, int(os.environ.get(rendezvous.ROUND_ENV, "0") or 0))
+            store = meeting.round_store(store, int(os.environ.get(rendezvous.ROUND_ENV, "0") or 0))
             if _torchelastic_agent_store():  # one store for every round; the agents' restart counts may differ
-                store = dist.PrefixStore(rendezvous.launch_namespace(store, rank, world, self.timeout), store)
+                store = dist.PrefixStore(meeting.launch_namespace(store, rank, world, self.timeout), store)
         elif rank == 0:
             store = rendezvous.host_store(address, port, self.timeout)
         else:
             store = rendezvous.join_store(address, port, self.timeout)
-        self._store = dist.PrefixStore(rendezvous.KEY_PREFIX, store)
-        rendezvous.wait_for_ranks(self._store, "arrived", rank, world, self.timeout, where=f"{address}:{port}")
+        self._store = dist.PrefixStore(keys.PREFIX, store)
+        meeting.wait_for_ranks(self._store, keys.ARRIVED, rank, world, self.timeout, where=f"{address}:{port}")
         backend = self._backend()
         kwargs: Dict[str, Any] = {}
         if backend == "nccl":
@@ -160,8 +161,8 @@ class DDPStrategy(ParallelStrategy):
             if interface is not None:
                 os.environ["GLOO_SOCKET_IFNAME"] = interface
         excepthook = sys.excepthook
-        dist.init_process_group(backend, store=dist.PrefixStore("pg/", store), rank=rank, world_size=world,
-                                timeout=self.timeout, **kwargs)
+        dist.init_process_group(backend, store=dist.PrefixStore(keys.PROCESS_GROUP_PREFIX, store), rank=rank,
+                                world_size=world, timeout=self.timeout, **kwargs)
         if prefixed_by_supervisor():  # lines carry "[rank N]" already: no "[rankN]:" from torch's excepthook
             sys.excepthook = excepthook
         self._owns_group = True

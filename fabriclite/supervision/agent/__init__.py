@@ -4,7 +4,8 @@
 ``round_ranks`` (a round's ranks started, polled, stopped; its first-step signal for warm spares), ``restarts``
 (rounds, ``--max-restarts``, backoff), ``preemption`` (grace period, forwarding, requeue), ``supervisor_signals``
 (its signal handlers), ``node_layout`` (which ranks a node runs), ``output_forwarding`` ([rank N] prefixes,
-per-rank log files), ``linger`` (node 0 keeps the store up until the other nodes have ended).
+per-rank log files). What the supervisors say to each other through the job's store
+(the failure flag, heartbeats, the restart agreement) is ``fabriclite.distributed.control_plane``'s.
 
 May import: ``supervision.watch``, ``supervision.rank``, ``supervision.processes``, ``supervision.lighthouse`` and
 the floors below ``supervision``.

@@ -4,12 +4,12 @@ up to ``max_restarts`` times (``fabriclite run --max-restarts N``, ``Fabric(max_
 
 - Rounds. Round 0 is the first start; each restart is the next round. Ranks learn theirs from
   ``$FABRICLITE_RESTART_COUNT`` (``fabric.restart_count``) and meet in that round's own part of the job's store
-  (``rendezvous.round_store``), so no rank of an old round can join a new one (and old rounds' ranks are all
+  (``control_plane.meeting.round_store``), so no rank of an old round can join a new one (and old rounds' ranks are all
   reaped before a new round starts anyway).
 - Agreement. After a failed round every node's supervisor reports, in the job's store, whether it can go on
   (it cannot after a signal or a preemption); node 0's supervisor decides for the job (restarts left, the
   ``--restart-window`` not over, every node able) and publishes the decision with the next round's delay. A
-  node that does not report within AGREE_S ends the job.
+  node that does not report within AGREE_S ends the job (the protocol: control_plane/restart_agreement.py).
 - Backoff: the first restart is immediate (most failures are one-off: a lost node, a killed rank); later ones back
   off, 1 s before the second restart, doubling, at most 30 s, so that a crash loop does not spin.
   ``$FABRICLITE_RESTART_BACKOFF`` sets the delay before the second restart (the base of the doubling) and
@@ -19,22 +19,19 @@ up to ``max_restarts`` times (``fabriclite run --max-restarts N``, ``Fabric(max_
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 from fabriclite.distributed import rendezvous
+from fabriclite.distributed.control_plane import restart_agreement
 
 MAX_RESTARTS_ENV = "FABRICLITE_MAX_RESTARTS"
 WINDOW_ENV = "FABRICLITE_RESTART_WINDOW"
 BACKOFF_ENV = "FABRICLITE_RESTART_BACKOFF"
 FIRST_BACKOFF_ENV = "FABRICLITE_FIRST_RESTART_BACKOFF"
 MAX_BACKOFF_S = 30.0
-#: how long node 0 waits for every node's report after a failed round, and the others for its decision
-AGREE_S = 60.0
-_POLL_S = 0.05
 
 
 def parse_max_restarts(value: Any, where: str = "max_restarts") -> int:
@@ -239,31 +236,5 @@ def _agree(supervisor: Any, number: int, able: bool, history: History) -> Option
     """The delay before the next round, the same on every node, or None to stop (see the module docstring)."""
     if supervisor.layout.num_nodes == 1:
         return _allowed(history, number) if able else None
-    store = rendezvous.prefixed(supervisor.raw_store, f"restarts/{number}")
-    node, nodes = supervisor.layout.node_rank, supervisor.layout.num_nodes
-    try:
-        store.set(f"node/{node}", "1" if able else "0")
-        if node != 0:
-            return _wait_decision(store)
-        deadline = time.monotonic() + AGREE_S
-        while not all(store.check([f"node/{n}"]) for n in range(nodes)):
-            if time.monotonic() > deadline:
-                able = False
-                break
-            time.sleep(_POLL_S)
-        else:
-            able = able and all(store.get(f"node/{n}") == b"1" for n in range(nodes))
-        delay = _allowed(history, number) if able else None
-        store.set("decision", json.dumps({"delay": delay}))
-        return delay
-    except RuntimeError:  # node 0's store is gone: the job cannot restart
-        return None
-
-
-def _wait_decision(store: Any) -> Optional[float]:
-    deadline = time.monotonic() + AGREE_S + 5
-    while not store.check(["decision"]):
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(_POLL_S)
-    return json.loads(store.get("decision"))["delay"]
+    return restart_agreement.agree(supervisor.raw_store, number, supervisor.layout.node_rank,
+                                   supervisor.layout.num_nodes, able, lambda: _allowed(history, number))

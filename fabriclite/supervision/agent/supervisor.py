@@ -33,6 +33,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from fabriclite.distributed import rendezvous
+from fabriclite.distributed.control_plane import failure_flag, liveness, meeting
 from fabriclite.environments.fabriclite_env import child_env
 from fabriclite.supervision.rank.child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV, stop_marker
 from fabriclite.supervision.processes.failures import Failure, remote_is_root, root_cause, signal_name, summarize
@@ -42,7 +43,6 @@ from fabriclite.supervision.rank.progress import write_slowest
 from fabriclite.supervision.watch.stragglers import StragglerWatch
 from fabriclite.supervision.agent.output_forwarding import OutputOptions
 from fabriclite.supervision.lighthouse import Lighthouse, LiveOptions, wait_reachable
-from fabriclite.supervision.agent.linger import leave
 from fabriclite.supervision.agent.node_layout import NodeLayout, Worker
 from fabriclite.supervision.agent.preemption import EXIT_PREEMPTED, PreemptOptions, Preemption
 from fabriclite.supervision.processes.reaper import Reaper
@@ -127,7 +127,7 @@ class Supervisor:
             self.main_port = self._raw_store.port
         else:
             self._raw_store = rendezvous.join_store(self.main_address, self.main_port, self.timeout)
-        self._store = rendezvous.prefixed(self._raw_store, rendezvous.KEY_PREFIX)  # round 0's (see _play)
+        self._store = meeting.job_view(self._raw_store)  # round 0's (see _play)
 
     def _open_lighthouse(self, live: LiveOptions) -> None:
         """Node 0 (without --lighthouse) starts the lighthouse; every node waits until it answers (LighthouseError
@@ -246,7 +246,7 @@ class Supervisor:
         them; the round's exit code (its summary in ``summary``)."""
         assert self._reaper is not None
         self.round, self.summary = number, ""
-        self._store = rendezvous.prefixed(rendezvous.round_store(self._raw_store, number), rendezvous.KEY_PREFIX)
+        self._store = meeting.job_view(self._raw_store, number)
         if os.path.exists(self._stop_marker):
             os.unlink(self._stop_marker)
         self.record.round_start(number, self.restarts.backoff(number - 1) if number else None)
@@ -292,9 +292,9 @@ class Supervisor:
             if self.layout.num_nodes > 1 and time.monotonic() >= next_remote:
                 next_remote = time.monotonic() + REMOTE_POLL_S
                 self._beat()
-                remote = rendezvous.read_failure(self._store)
+                remote = failure_flag.read_failure(self._store)
                 if remote is not None:
-                    self.summary = (f"fabriclite: the job failed on {rendezvous.describe_failure(remote)}\n"
+                    self.summary = (f"fabriclite: the job failed on {failure_flag.describe_failure(remote)}\n"
                                     f"  stopping the ranks of node {self.layout.node_rank}.")
                     if remote.get("hang"):  # every node reports its own ranks' stacks
                         self.summary += "\n" + self._stacks(f"node {remote.get('node')} reported a hang")
@@ -318,17 +318,14 @@ class Supervisor:
 
     def _beat(self) -> None:
         """Tell node 0's supervisor this one is alive (it waits for live nodes before it leaves)."""
-        try:
-            self._store.add(f"beat/{self.layout.node_rank}", 1)
-        except RuntimeError:
-            pass  # the next read of the failure flag reports the lost store
+        liveness.beat(self._store, self.layout.node_rank)
 
     def _remote_failed(self) -> bool:
         """Whether another node published a failure (the cause a lost peer here may be reporting)."""
-        return self.layout.num_nodes > 1 and rendezvous.read_failure(self._store) is not None
+        return self.layout.num_nodes > 1 and failure_flag.read_failure(self._store) is not None
 
     def _fail(self, failures: List[Failure]) -> int:
-        remote = rendezvous.read_failure(self._store) if self.layout.num_nodes > 1 else None
+        remote = failure_flag.read_failure(self._store) if self.layout.num_nodes > 1 else None
         failed = {f.local_rank for f in failures}
         stopping = [self.layout.global_rank(r) for r, w in self.ranks.workers.items()
                     if r not in failed and w.poll() is None]
@@ -343,7 +340,7 @@ class Supervisor:
             self.record.hang(root.error_line, self.hangs.taken or self.summary[self.summary.find("--- live stacks"):])
         if remote_is_root(remote, root, self.layout.node_rank):
             return 1
-        rendezvous.publish_failure(self._store, {**root.record(), "hang": hang})
+        failure_flag.publish_failure(self._store, {**root.record(), "hang": hang})
         return root.exit_code
 
     def _stacks(self, why: str, failed: Set[int] = frozenset()) -> str:  # type: ignore[assignment]
@@ -357,7 +354,7 @@ class Supervisor:
         self.summary = f"fabriclite: the job is hung: {reason}.\n" + stacks
         self.record.failure(None, reason, 1, True)
         self.record.hang(reason, stacks)
-        rendezvous.publish_failure(self._store, {
+        failure_flag.publish_failure(self._store, {
             "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
             "hang": True, "message": f"the supervisor of node {self.layout.node_rank} found it hung: {reason}"})
         return 1
@@ -366,7 +363,7 @@ class Supervisor:
         name = signal_name(signum)
         self.summary = f"fabriclite: stopped every rank on node {self.layout.node_rank} on {name}."
         if self._store is not None:
-            rendezvous.publish_failure(self._store, {
+            failure_flag.publish_failure(self._store, {
                 "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
                 "message": f"the supervisor of node {self.layout.node_rank} received {name}"})
         return 128 + signum
@@ -374,15 +371,16 @@ class Supervisor:
     def _preempted(self) -> int:
         """The grace period after a preemption signal is over: publish it (the other nodes stop too)."""
         self.summary = self.preemption.expired_summary(self.layout.node_rank)
-        rendezvous.publish_failure(self._store, {
+        failure_flag.publish_failure(self._store, {
             "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
             "message": f"the supervisor of node {self.layout.node_rank} was preempted and stopped its ranks"})
         return EXIT_PREEMPTED
 
     def _leave(self, failed: bool) -> None:
-        """Across nodes, node 0 keeps the store up until the other nodes have ended (see supervision/agent/linger.py)."""
+        """Across nodes, node 0 keeps the store up until the other nodes have ended (control_plane/liveness.py)."""
         if self.layout.num_nodes > 1 and self._store is not None:
-            leave(self._store, self.layout.node_rank, self.layout.num_nodes, failed, lambda: self._signal is not None)
+            liveness.leave(self._store, self.layout.node_rank, self.layout.num_nodes, failed,
+                           lambda: self._signal is not None)
 
     # ------------------------------------------------------------------ stopping
     def _stop_all(self) -> None:

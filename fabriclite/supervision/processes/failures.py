@@ -78,7 +78,7 @@ class Failure:
         return code if code > 0 else 128 + (-code if code < 0 else 1)
 
     def record(self) -> Dict[str, Any]:
-        """What goes into the job's store for the other nodes (see rendezvous.publish_failure)."""
+        """What goes into the job's store for the other nodes (see control_plane.failure_flag.publish_failure)."""
         return {"node": self.node_rank, "rank": self.global_rank, "message": self.describe(),
                 "timestamp": self.timestamp, "secondary": self.secondary}
 

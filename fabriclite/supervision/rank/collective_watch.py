@@ -8,13 +8,12 @@ error; the process group is unusable afterwards (every later collective raises a
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from fabriclite.distributed import rendezvous
+from fabriclite.distributed.control_plane import collective_progress, failure_flag
 from fabriclite.supervision.rank import progress as rank_progress
 from fabriclite.supervision.rank.child import PEER_LOST_MARKERS, SUPERVISOR_PID_ENV
 
@@ -58,7 +57,7 @@ class PeerLost(CollectiveError):
 class CollectiveWatch:
     """Counts this rank's collectives per process group and explains their failures.
 
-    ``store``: the job's store (keys under KEY_PREFIX); ``publish_store``: a second client for the
+    ``store``: the job's store (keys under control_plane.keys.PREFIX); ``publish_store``: a second client for the
     publishing thread (default: ``store``). ``timeout``: the process group's timeout, in seconds.
     """
 
@@ -133,7 +132,7 @@ class CollectiveWatch:
         record = {"counts": {_label(k): [n, self.names.get(k, "")] for k, n in list(self.counts.items())},
                   "time": time.time(), "left": left}
         try:
-            self._publish_store.set(f"progress/{self.rank}", json.dumps(record))
+            collective_progress.publish(self._publish_store, self.rank, record)
             return True
         except RuntimeError:  # the store is gone: the supervisor is ending the job
             return False
@@ -190,9 +189,9 @@ class CollectiveWatch:
             return None
         deadline = time.monotonic() + SUPERVISOR_REPORT_WAIT_S
         while True:
-            record = rendezvous.read_failure(self.store)
+            record = failure_flag.read_failure(self.store)
             if record is not None:
-                return rendezvous.describe_failure(record)
+                return failure_flag.describe_failure(record)
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.05)
@@ -205,8 +204,7 @@ class CollectiveWatch:
             for r in key:
                 if r == self.rank:
                     continue
-                raw = self.store.get(f"progress/{r}") if self.store.check([f"progress/{r}"]) else None
-                record = json.loads(raw) if raw is not None else {"counts": {}, "time": None}
+                record = collective_progress.read(self.store, r) or {"counts": {}, "time": None}
                 count, last = record["counts"].get(label, [0, ""])
                 if count >= number:
                     continue

@@ -18,11 +18,12 @@ is not told apart (its compute and the others' wait are both in backward).
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from fabriclite.distributed.control_plane import straggler_reports
 
 WINDOW_ENV, THRESHOLD_ENV, WINDOWS_ENV = ("FABRICLITE_STRAGGLER_WINDOW", "FABRICLITE_STRAGGLER_THRESHOLD",
                                           "FABRICLITE_STRAGGLER_WINDOWS")
@@ -86,22 +87,11 @@ class StragglerWatch:
 
     def _window(self, number: int, mine: Dict[int, float]) -> List["Straggler"]:
         if self.num_nodes > 1 and self.store is not None:
-            try:
-                self.store.set(f"straggle/{number}/{self.node_rank}", json.dumps(mine))
-            except RuntimeError:
+            if not straggler_reports.publish(self.store, number, self.node_rank, mine) or self.node_rank != 0:
                 return []
-            if self.node_rank != 0:
-                return []
-            everyone: Dict[int, float] = {}
-            for node in range(self.num_nodes):  # node 0 judges once every node has reported this window
-                try:
-                    if not self.store.check([f"straggle/{number}/{node}"]):
-                        return []  # a node behind: judged at its own pace is good enough (the next windows)
-                    everyone.update({int(k): v for k, v in json.loads(self.store.get(f"straggle/{number}/{node}"))
-                                     .items()})
-                except RuntimeError:
-                    return []
-            return self.judge(everyone)
+            # node 0 judges once every node has reported this window; a node behind is judged at its own pace
+            everyone = straggler_reports.collect(self.store, number, self.num_nodes)
+            return self.judge(everyone) if everyone is not None else []
         return self.judge(mine)
 
     # ------------------------------------------------------------------ the decision

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from fabriclite.distributed import rendezvous
+from fabriclite.distributed.control_plane import failure_flag
 from pool import RankError
 
 STOPPED = "test_waits/rank1-stopped-waiting"
@@ -15,7 +15,7 @@ def _zero_first_while_the_job_fails(fabric):
     try:
         with fabric.rank_zero_first():
             if fabric.global_rank == 0:
-                rendezvous.publish_failure(store, {"node": 1, "rank": 3, "timestamp": time.time(),
+                failure_flag.publish_failure(store, {"node": 1, "rank": 3, "timestamp": time.time(),
                                                    "secondary": False, "message": "rank 3 raised ValueError: boom"})
                 # rank 0 stays busy in its block until rank 1 says it stopped waiting (an event; the deadline is
                 # only there so that a broken wait fails the test instead of hanging it)
@@ -25,13 +25,13 @@ def _zero_first_while_the_job_fails(fabric):
                     time.sleep(0.01)
             else:
                 raise AssertionError("rank 1 ran the block before rank 0 finished")
-    except rendezvous.JobFailedElsewhere:
+    except failure_flag.JobFailedElsewhere:
         store.set(STOPPED, "1")  # rank 1, while rank 0 is still inside its block
         raise
     finally:
         fabric.barrier()
         if fabric.global_rank == 0:
-            store.delete_key(rendezvous.FAILURE_KEY)
+            store.delete_key(failure_flag.FAILURE_KEY)
             store.delete_key(STOPPED)
         fabric.barrier()
 

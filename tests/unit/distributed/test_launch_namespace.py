@@ -1,4 +1,4 @@
-"""rendezvous.launch_namespace: the ranks of one torchrun round meet in a part of a store that outlives rounds (the
+"""meeting.launch_namespace: the ranks of one torchrun round meet in a part of a store that outlives rounds (the
 agents' shared TCPStore), never in an earlier round's, whatever order they arrive in. Real TCPStores (one server,
 one client per rank, ranks as threads); the torchrun lane runs it under real agents."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch.distributed import TCPStore
 
 from fabriclite.distributed import rendezvous
+from fabriclite.distributed.control_plane import meeting
 from helpers import free_port
 
 TIMEOUT = timedelta(seconds=30)
@@ -33,7 +34,7 @@ def _round(server: TCPStore, world: int, delays: Sequence[float]) -> Dict[int, s
         try:
             time.sleep(delays[r])
             client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=TIMEOUT)
-            got[r] = rendezvous.launch_namespace(client, r, world, TIMEOUT)
+            got[r] = meeting.launch_namespace(client, r, world, TIMEOUT)
         except BaseException as err:  # noqa: BLE001  reported below
             errors.append(err)
 
@@ -65,4 +66,4 @@ def test_a_rank_0_that_never_comes_is_a_clear_error(server: TCPStore) -> None:
     _round(server, 2, [0.0, 0.0])  # an earlier round left its prefix under "current"
     client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=TIMEOUT)
     with pytest.raises(rendezvous.RendezvousError, match=r"rank 0 of this start never named its part of torchrun"):
-        rendezvous.launch_namespace(client, 1, 2, timedelta(seconds=1))
+        meeting.launch_namespace(client, 1, 2, timedelta(seconds=1))

@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from fabriclite.distributed import rendezvous
+from fabriclite.distributed.control_plane import failure_flag, meeting
 from fabriclite.supervision.rank.child import is_secondary, write_error_file
 from fabriclite.supervision.processes.failures import Failure, remote_is_root, root_cause, summarize
 from fabriclite.supervision.processes.reaper import Reaper
@@ -27,7 +28,7 @@ from helpers import free_port
 @pytest.fixture()
 def store() -> Iterator[dist.Store]:
     server = rendezvous.host_store("127.0.0.1", 0, timedelta(seconds=10))
-    yield rendezvous.prefixed(server, rendezvous.KEY_PREFIX)
+    yield meeting.job_view(server)
 
 
 # ---------------------------------------------------------------------- summaries
@@ -86,22 +87,22 @@ def test_errors_that_only_report_a_lost_peer_are_secondary() -> None:
 
 # ---------------------------------------------------------------------- the failure flag
 def test_the_first_root_cause_stays_published(store) -> None:
-    assert rendezvous.read_failure(store) is None
-    rendezvous.publish_failure(store, {"node": 1, "rank": 3, "message": "lost a peer", "secondary": True})
-    rendezvous.publish_failure(store, {"node": 0, "rank": 1, "message": "rank 1 raised", "secondary": False})
-    rendezvous.publish_failure(store, {"node": 2, "rank": 5, "message": "later", "secondary": False})
-    assert rendezvous.read_failure(store)["message"] == "rank 1 raised"  # type: ignore[index]
+    assert failure_flag.read_failure(store) is None
+    failure_flag.publish_failure(store, {"node": 1, "rank": 3, "message": "lost a peer", "secondary": True})
+    failure_flag.publish_failure(store, {"node": 0, "rank": 1, "message": "rank 1 raised", "secondary": False})
+    failure_flag.publish_failure(store, {"node": 2, "rank": 5, "message": "later", "secondary": False})
+    assert failure_flag.read_failure(store)["message"] == "rank 1 raised"  # type: ignore[index]
 
 
 def test_waits_without_a_deadline_end_when_the_job_fails(store) -> None:
     store.set("ready", "1")
-    rendezvous.wait_for_key(store, "ready", "rank 0's download")  # set: returns at once
-    rendezvous.publish_failure(store, {"node": 1, "rank": 3, "message": "rank 3 (local rank 1, node 1) was "
+    failure_flag.wait_for_key(store, "ready", "rank 0's download")  # set: returns at once
+    failure_flag.publish_failure(store, {"node": 1, "rank": 3, "message": "rank 3 (local rank 1, node 1) was "
                                                                        "killed by SIGKILL", "secondary": False})
     start = time.monotonic()
-    with pytest.raises(rendezvous.JobFailedElsewhere, match=r"stopped waiting for rank 0's download: the job "
+    with pytest.raises(failure_flag.JobFailedElsewhere, match=r"stopped waiting for rank 0's download: the job "
                                                              r"failed on node 1: rank 3 .* killed by SIGKILL"):
-        rendezvous.wait_for_key(store, "never", "waiting for rank 0's download")
+        failure_flag.wait_for_key(store, "never", "waiting for rank 0's download")
     assert time.monotonic() - start < 1
 
 
@@ -110,7 +111,7 @@ def test_ranks_that_never_arrive_are_named(store) -> None:
     start = time.monotonic()
     with pytest.raises(rendezvous.RendezvousError, match=r"ranks \[1, 2\] of 3 never joined the rendezvous at "
                                                           r"127.0.0.1:99 within 1 s \(rank 0 waited\)"):
-        rendezvous.wait_for_ranks(store, "arrived", 0, 3, timedelta(seconds=1), where="127.0.0.1:99")
+        meeting.wait_for_ranks(store, "arrived", 0, 3, timedelta(seconds=1), where="127.0.0.1:99")
     assert time.monotonic() - start < 5  # the 1 s timeout (typically 1.0 s in all), not the 30 min default
 
 
@@ -216,11 +217,10 @@ def test_the_reaper_kills_watched_groups_when_its_supervisor_is_gone() -> None:
 
 def test_a_store_that_is_gone_reads_as_a_failure() -> None:
     server = rendezvous.host_store("127.0.0.1", 0, timedelta(seconds=5))
-    client = rendezvous.prefixed(rendezvous.join_store("127.0.0.1", server.port, timedelta(seconds=5)),
-                                 rendezvous.KEY_PREFIX)
-    assert rendezvous.read_failure(client) is None
+    client = meeting.job_view(rendezvous.join_store("127.0.0.1", server.port, timedelta(seconds=5)))
+    assert failure_flag.read_failure(client) is None
     del server  # node 0's supervisor ended
-    record = rendezvous.read_failure(client)
+    record = failure_flag.read_failure(client)
     assert record is not None and "the job's rendezvous store is gone" in record["message"]
 
 

@@ -1,0 +1,76 @@
+"""The job's failure flag: the first failure a supervisor publishes in the job's store, for every node and rank.
+
+Every function takes the job's store seen under ``keys.PREFIX`` (``meeting.job_view``).
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Dict, Optional
+
+from fabriclite.distributed.control_plane import keys
+
+#: the failure flag's key (under keys.PREFIX)
+FAILURE_KEY = keys.FAILURE
+
+
+class JobFailedElsewhere(RuntimeError):
+    """Raised in a rank that waits without a deadline when the job's supervisor reports a failure
+    (on this node or another); the message is the supervisor's description of that failure."""
+
+
+def read_failure(store: Any) -> Optional[Dict[str, Any]]:
+    """The failure a supervisor published (keys: node, rank, message, timestamp, secondary), or None.
+
+    A store that cannot be reached counts as a failure (its host, node 0's supervisor, is gone)."""
+    try:
+        if not store.check([FAILURE_KEY]):
+            return None
+        return json.loads(store.get(FAILURE_KEY))
+    except RuntimeError as err:
+        return {"node": None, "rank": None, "timestamp": time.time(), "secondary": False,
+                "message": f"the job's rendezvous store is gone (its supervisor ended?): {err}"}
+
+
+def publish_failure(store: Any, record: Dict[str, Any]) -> None:
+    """Publish ``record`` as the job's failure unless one is there already; a root cause
+    (``secondary`` False) replaces a secondary one. Never raises."""
+    try:
+        old = read_failure(store)
+        if old is None or (old.get("secondary") and not record.get("secondary")):
+            store.set(FAILURE_KEY, json.dumps(record))
+    except RuntimeError:
+        pass
+
+
+def failed(store: Any) -> bool:
+    """Whether a failure is published (a store that cannot be reached raises RuntimeError)."""
+    return bool(store.check([FAILURE_KEY]))
+
+
+def describe_failure(record: Dict[str, Any]) -> str:
+    """"node 1: rank 3 (local rank 1, node 1) raised ValueError: boom" for a published record."""
+    where = f"node {record['node']}: " if record.get("node") is not None else ""
+    return f"{where}{record['message']}"
+
+
+def raise_if_failed(store: Any, what: str) -> None:
+    """Raise JobFailedElsewhere if a supervisor has reported a failure of the job."""
+    record = read_failure(store)
+    if record is not None:
+        raise JobFailedElsewhere(f"fabriclite: stopped {what}: the job failed on {describe_failure(record)}")
+
+
+def wait_for_key(store: Any, key: str, what: str, poll_s: float = 0.05) -> None:
+    """Wait, without a deadline, until ``key`` is set in ``store``.
+
+    For waits that are not faults however long they take (rank 0 first, a checkpoint being
+    written): instead of a timeout, it raises JobFailedElsewhere (naming the failed node and rank)
+    as soon as the job's supervisor reports a failure. ``what`` says what is awaited, for the error.
+    """
+    delay = 0.001
+    while not store.check([key]):
+        time.sleep(delay)
+        delay = min(delay * 2, poll_s)
+        if delay >= poll_s:
+            raise_if_failed(store, what)
