@@ -1,8 +1,8 @@
 """Preemption, on the supervisor's side.
 
 - The first SIGTERM or requeue signal (SIGUSR1 unless ``--requeue-signal`` / ``$FABRICLITE_REQUEUE_SIGNAL``
-  says otherwise) to a supervisor marks the job preempted: the supervisor forwards the signal to
-  its ranks (which record it: fabriclite/supervision/rank/signals.py) and gives them a grace period (``--preempt-grace``,
+  says otherwise) to a supervisor marks the job preempted: the supervisor forwards the signal to its ranks
+  (which record it: fabriclite/supervision/rank/signals.py) and gives them a grace period (``--preempt-grace``,
   ``$FABRICLITE_PREEMPT_GRACE``, default 20 s) to save and exit. When it is over, or on a second signal or a
   SIGINT, the ranks are stopped as after any failure.
 - A preempted job is never restarted.

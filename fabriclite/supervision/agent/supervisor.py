@@ -37,10 +37,11 @@ from fabriclite.distributed.control_plane import failure_flag, liveness, meeting
 from fabriclite.environments.fabriclite_env import child_env
 from fabriclite.supervision.rank.child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV, stop_marker
 from fabriclite.supervision.processes.failures import Failure, remote_is_root, root_cause, signal_name, summarize
-from fabriclite.supervision.watch.goodput import JobRecord
+from fabriclite.supervision.watch.goodput import JobRecord, RanksUp
 from fabriclite.supervision.watch.hangs import HangWatch, is_hang
-from fabriclite.supervision.rank.progress import write_slowest
+from fabriclite.supervision.watch.progress_records import ProgressRecords
 from fabriclite.supervision.watch.stragglers import StragglerWatch
+from fabriclite.supervision.watch.watcher import RoundView, Watcher
 from fabriclite.supervision.agent.output_forwarding import OutputOptions
 from fabriclite.supervision.lighthouse import Lighthouse, LiveOptions, wait_reachable
 from fabriclite.supervision.agent.node_layout import NodeLayout, Worker
@@ -107,15 +108,21 @@ class Supervisor:
         self.preemption = Preemption(preempt)
         self.live = live
         self._lighthouse: Optional[Lighthouse] = None
-        #: ranks' progress records, the optimizer-step hang watch and live stacks (supervision/watch/hangs.py)
-        self.hangs = HangWatch(layout.node_rank, layout.global_rank, timeout.total_seconds())
+        #: the ranks' progress records, read for the watchers (supervision/watch/progress_records.py)
+        self.progress = ProgressRecords(layout.global_rank)
+        #: the optimizer-step hang watch and live stacks (supervision/watch/hangs.py)
+        self.hangs = HangWatch(layout.node_rank, self.progress, timeout.total_seconds())
         self.hangs.live = live is not None
         self._dump_requested = False
-        #: the node's events record (supervision/watch/events.py) and node 0's goodput line (supervision/watch/goodput.py)
+        #: the node's events record (supervision/watch/events.py) and node 0's goodput line (.../goodput.py)
         self.record = JobRecord(layout.node_rank, self.run_id, self.output.log_dir, layout.local_world_size)
+        #: when every rank here finished its first step in the round (supervision/watch/goodput.py)
+        self.up = RanksUp()
         #: ranks slower than the median, from their busy time (supervision/watch/stragglers.py)
         self.stragglers = StragglerWatch(layout.node_rank, layout.num_nodes,
-                                         lambda rank: rank // layout.local_world_size)
+                                         lambda rank: rank // layout.local_world_size, self.progress)
+        #: what the loop hands each read of the ranks' records to, in this order (supervision/watch/watcher.py)
+        self.watchers: List[Watcher] = [self.hangs, self.up, self.stragglers]
         #: this node's ranks of the round being played (supervision/agent/round_ranks.py)
         self.ranks = RoundRanks(layout, self.hangs, self._error_file)
         self._when_up: Optional[Callable[[], None]] = None
@@ -155,8 +162,9 @@ class Supervisor:
             MAX_RESTARTS_ENV: str(self.restarts.max_restarts), **self.preemption.options.child_env(),
         })
         values.update(self.record.rank_env())
-        values.update(self.hangs.rank_env(self.round, local_rank,
-                                          self.extra_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))))
+        values.update(self.progress.rank_env(local_rank))
+        values.update(self.hangs.rank_env(local_rank, self.extra_env.get("PYTHONPATH",
+                                                                          os.environ.get("PYTHONPATH", ""))))
         return {**self.extra_env, **values}
 
     @property
@@ -193,7 +201,7 @@ class Supervisor:
 
         Raises RendezvousError (naming address and port) when the store cannot be hosted or joined;
         a signal while joining ends the wait at once (exit code 128 + signal)."""
-        self._tmpdir = self.hangs.tmpdir = tempfile.mkdtemp(prefix="fabriclite-")
+        self._tmpdir = self.progress.tmpdir = tempfile.mkdtemp(prefix="fabriclite-")
         self._when_up = when_up
         self.record.job_start()
         restore = supervisor_signals.install(self)
@@ -250,15 +258,15 @@ class Supervisor:
         if os.path.exists(self._stop_marker):
             os.unlink(self._stop_marker)
         self.record.round_start(number, self.restarts.backoff(number - 1) if number else None)
-        self.stragglers.reset()
-        self._shown_slowest: Any = None
         self.stragglers.store = self._store if self.layout.num_nodes > 1 else None
-        self.hangs.last_records = {}  # the last round's (read until the next check): not this round's progress
+        self.progress.start_round(number)
+        for watcher in self.watchers:
+            watcher.start_round(number)
         self.ranks.start(start, self.child_env, self._reaper)
         code = self._watch()
         self._stop_all()
         self.output.close()
-        self.record.round_end(code, self.hangs.records(list(self.ranks.workers)))
+        self.record.round_end(code, self.progress.read(list(self.ranks.workers)), self.up.first_step)
         return code
 
     def _report(self, text: str) -> None:
@@ -283,10 +291,9 @@ class Supervisor:
             if self._dump_requested:  # SIGQUIT: print the ranks' stacks, the job goes on
                 self._dump_requested = False
                 self._report(self._stacks("on request (SIGQUIT to the supervisor); the job goes on"))
-            hung = self.hangs.check({r: (w.pid, True) for r, w in running.items()})
-            self.record.watch(self.hangs.last_records)
-            self.ranks.check_up(self.hangs.last_records, self._when_up)
-            self._stragglers()
+            view = self.progress.view({r: (w.pid, True) for r, w in running.items()})
+            hung = self._observe(view) if view is not None else None
+            self.ranks.check_up(self.progress.last, self._when_up)
             if hung is not None:
                 return self._hung(hung)
             if self.layout.num_nodes > 1 and time.monotonic() >= next_remote:
@@ -303,18 +310,19 @@ class Supervisor:
             time.sleep(POLL_S)
         return 0
 
-    def _stragglers(self) -> None:
-        """Name new stragglers (node 0: one line each, an event) and show the slowest rank to the progress bar."""
-        found = self.stragglers.observe(self.hangs.last_records)
-        for s in found:
-            if self.report:
-                print_summary(s.line)
-            self.record.emit("straggler", rank=s.rank, node=s.node, slower=round(s.slower, 4), windows=s.windows)
-        if self.stragglers.slowest != self._shown_slowest:
-            self._shown_slowest = self.stragglers.slowest
-            rank, slower = self.stragglers.slowest or (-1, 0.0)
-            for local_rank in self.ranks.workers:
-                write_slowest(self.hangs.progress_file(local_rank), rank, slower)
+    def _observe(self, view: RoundView) -> Optional[str]:
+        """Hand ``view`` to every watcher in turn; write their events to the record (node 0 prints their lines).
+        Why the round must end (a hang), or None: the caller records that one, with the stacks it takes."""
+        ends = None
+        for watcher in self.watchers:
+            for event in watcher.observe(view):
+                if event.ends_round:
+                    ends = ends or event.fields.get("reason", event.kind)
+                    continue
+                if event.line and self.report:
+                    print_summary(event.line)
+                self.record.emit(event.kind, **event.fields)
+        return ends
 
     def _beat(self) -> None:
         """Tell node 0's supervisor this one is alive (it waits for live nodes before it leaves)."""

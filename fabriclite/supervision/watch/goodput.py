@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from fabriclite.supervision.watch import events as events_mod
+from fabriclite.supervision.watch.watcher import Event, RoundView
 
 PARTS = ("startup", "restart", "redone", "checkpoint", "preemption")
 _LABELS = {"startup": "start-up", "restart": "restart", "redone": "redone steps", "checkpoint": "checkpoint stalls",
@@ -140,6 +141,30 @@ def measure(records: List[Dict[str, Any]]) -> Goodput:
     return result
 
 
+class RanksUp:
+    """A watcher (supervision/watch/watcher.py): one ``ranks_up`` event per round, once every rank of the node has
+    finished its first optimizer step (``first_step``: when the slowest did, ``seconds``: since the round's
+    start); the goodput's start-up part ends there."""
+
+    def __init__(self) -> None:
+        self.round = 0
+        #: the end of the slowest rank's first step in the round being played (None before)
+        self.first_step: Optional[float] = None
+        self._started: Optional[float] = None
+
+    def start_round(self, number: int) -> None:
+        self.round, self.first_step, self._started = number, None, time.time()
+
+    def observe(self, view: RoundView) -> List[Event]:
+        records = view.records
+        if self.first_step is not None or not records or any(r is None or not r["steps"] for r in records.values()):
+            return []
+        # the end of the slowest rank's first step (the record's own time: the supervisor reads it up to 0.5 s late)
+        self.first_step = max(r["first_step_time"] or r["last_step_time"] for r in records.values() if r)
+        seconds = round(self.first_step - self._started, 4) if self._started else None
+        return [Event("ranks_up", {"round": self.round, "first_step": self.first_step, "seconds": seconds})]
+
+
 class JobRecord:
     """A supervisor's events (one node): what the supervisor calls, in order. None-safe when events are off."""
 
@@ -147,8 +172,6 @@ class JobRecord:
         self.log = events_mod.for_supervisor(node_rank, run_id, log_dir)
         self.node_rank, self.ranks = node_rank, ranks
         self._round = 0
-        self._up = False
-        self._first_step: Optional[float] = None
 
     def emit(self, event: str, **fields: Any) -> None:
         if self.log is not None:
@@ -164,29 +187,8 @@ class JobRecord:
     def round_start(self, number: int, backoff: Optional[float]) -> None:
         if number > 0:
             self.emit("restart", round=number, backoff=backoff)
-        self._round, self._up, self._first_step = number, False, None
+        self._round = number
         self.emit("round_start", round=number)
-
-    def watch(self, records: Dict[int, Optional[dict]]) -> None:
-        """Called with the ranks' progress records as the supervisor reads them: ``ranks_up`` once each has
-        finished its first step."""
-        if self._up or not records or any(r is None or not r["steps"] for r in records.values()):
-            return
-        self._up = True
-        # the end of the slowest rank's first step (the record's own time: the supervisor reads it up to 0.5 s late)
-        self._first_step = max(r["first_step_time"] or r["last_step_time"] for r in records.values() if r)
-        start = self._round_start_time()
-        self.emit("ranks_up", round=self._round, first_step=self._first_step,
-                  seconds=round(self._first_step - start, 4) if start else None)
-
-    def _round_start_time(self) -> Optional[float]:
-        if self.log is None:
-            return None
-        try:
-            found = [e for e in events_mod.read(self.log.path, self.log.run_id) if e["event"] == "round_start"]
-        except OSError:
-            return None
-        return float(found[-1]["time"]) if found else None
 
     def failure(self, rank: Optional[int], cause: str, exit_code: int, hang: bool) -> None:
         self.emit("failure", round=self._round, rank=rank, cause=cause.splitlines()[0][:500] if cause else "",
@@ -195,10 +197,11 @@ class JobRecord:
     def hang(self, reason: str, stacks: str) -> None:
         self.emit("hang", round=self._round, reason=reason, stacks=stacks)
 
-    def round_end(self, exit_code: int, records: Dict[int, Optional[dict]]) -> None:
+    def round_end(self, exit_code: int, records: Dict[int, Optional[dict]], first_step: Optional[float]) -> None:
+        """``records``: the ranks' last progress records; ``first_step``: the round's ``ranks_up`` time (None)."""
         seen = [r for r in records.values() if r]
         self.emit("round_end", round=self._round, exit_code=exit_code, steps=max((r["steps"] for r in seen), default=0),
-                  first_step=self._first_step,
+                  first_step=first_step,
                   last_step=max((r["last_step_time"] or 0.0 for r in seen), default=0.0) or None)
 
     def preemption_notice(self, signum: int) -> None:

@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from fabriclite.supervision.rank import progress as rank_progress
-from fabriclite.supervision.watch import stacks
 from fabriclite.supervision.processes.failures import Failure
+from fabriclite.supervision.rank import progress as rank_progress
 from fabriclite.supervision.rank.child import stacks_marker
+from fabriclite.supervision.watch import stacks
+from fabriclite.supervision.watch.progress_records import ProgressRecords
+from fabriclite.supervision.watch.watcher import Event, RoundView
 
 HANG_TIMEOUT_ENV = "FABRICLITE_HANG_TIMEOUT"
-#: how often the supervisor reads its ranks' records for the step watch (seconds)
-CHECK_EVERY_S = 0.5
 #: how long before the collective timeout a waiting rank's node takes a snapshot of its ranks' stacks (at most 30%
 #: of the timeout)
 SNAPSHOT_MARGIN_S = 5.0
@@ -61,11 +61,12 @@ def is_hang(failure: Failure) -> bool:
 
 
 class HangWatch:
-    """One node's view of its ranks' progress (their ``supervision.rank.progress`` records) and their stacks."""
+    """A watcher (supervision/watch/watcher.py): one node's view of its ranks' progress (``progress``: their
+    records) and their stacks. ``observe`` returns a ``hang`` event that ends the round when the node is hung."""
 
-    def __init__(self, node_rank: int, global_rank: "callable", timeout_s: float) -> None:  # type: ignore[valid-type]
+    def __init__(self, node_rank: int, progress: ProgressRecords, timeout_s: float) -> None:
         self.node_rank = node_rank
-        self._global_rank = global_rank
+        self.progress = progress
         self.timeout_s = hang_timeout(2 * timeout_s)
         self.collective_timeout_s = timeout_s
         #: --fault-tolerant (each node a replica group): a group whose ranks all wait on the others is not hung
@@ -75,57 +76,42 @@ class HangWatch:
         #: the stack section of the latest snapshot ("" if none), and the wait it was taken for
         self.snapshot = ""
         self._snapshot_of: Optional[float] = None
-        self.tmpdir = ""
-        self.round = 0
-        self._next_check = 0.0
-        #: the ranks' records as last read by ``check`` (global rank -> record or None)
-        self.last_records: Dict[int, Optional[dict]] = {}
         #: the stack section taken in this round after a rank reported a collective timeout ("" if none)
         self.taken = ""
 
     # ------------------------------------------------------------------ per round
-    def progress_file(self, local_rank: int) -> str:
-        return os.path.join(self.tmpdir, f"progress-{self.round}-{local_rank}")
+    def start_round(self, number: int) -> None:
+        self.taken = self.snapshot = ""
+        self._snapshot_of = None
 
     def stack_file(self, local_rank: int) -> str:
-        return os.path.join(self.tmpdir, f"stack-{self.round}-{local_rank}.txt")
+        return os.path.join(self.progress.tmpdir, f"stack-{self.progress.round}-{local_rank}.txt")
 
-    def rank_env(self, round_number: int, local_rank: int, pythonpath: str) -> Dict[str, str]:
-        """A new round's rank ``local_rank``: a fresh progress record and the stack handler's bootstrap."""
-        if round_number != self.round or local_rank == 0:
-            self.taken = self.snapshot = ""
-            self._snapshot_of = None
-        self.round = round_number
-        path = self.progress_file(local_rank)
-        rank_progress.create(path)
-        env = {rank_progress.PROGRESS_FILE_ENV: path}
-        env.update(stacks.rank_env(self.stack_file(local_rank), pythonpath))
-        return env
-
-    def records(self, local_ranks: Sequence[int]) -> Dict[int, Optional[dict]]:
-        """Global rank -> its progress record (None before it joined)."""
-        return {self._global_rank(r): rank_progress.read(self.progress_file(r)) for r in local_ranks}
+    def rank_env(self, local_rank: int, pythonpath: str) -> Dict[str, str]:
+        """The round's rank ``local_rank``: the stack handler's bootstrap and file."""
+        return stacks.rank_env(self.stack_file(local_rank), pythonpath)
 
     # ------------------------------------------------------------------ the watch
-    def check(self, workers: Dict[int, Tuple[int, bool]]) -> Optional[str]:
+    def observe(self, view: RoundView) -> List[Event]:
+        """A ``hang`` event (``reason``: why the node is hung, see :meth:`check`) that ends the round, or none."""
+        reason = self.check(view)
+        return [] if reason is None else [Event("hang", {"reason": reason}, ends_round=True)]
+
+    def check(self, view: RoundView) -> Optional[str]:
         """Why the node is hung (no optimizer step by any of its ranks within the hang timeout), or None.
 
         Also takes a snapshot of the live ranks' stacks when a rank has waited on the others (a collective, or
         backward with its gradient all-reduce) for nearly the collective timeout: when the timeout fires, the
         backend breaks the others' connections and they start exiting, so stacks taken after it would show
-        little; the snapshot shows where every rank was just before (``workers``: local rank -> (pid, alive))."""
-        if not workers or time.monotonic() < self._next_check:
-            return None
-        self._next_check = time.monotonic() + CHECK_EVERY_S
-        self.last_records = self.records(list(workers))
-        records = {r: rec for r, rec in self.last_records.items() if rec is not None}
+        little; the snapshot shows where every rank was just before."""
+        records = {r: rec for r, rec in view.records.items() if rec is not None}
         now = time.time()
         waits = [rec["waiting_since"] for rec in records.values() if rec.get("waiting_since")]
         if waits and self.collective_timeout_s and now - min(waits) >= self._snapshot_after_s \
                 and self._snapshot_of != min(waits):
             self._snapshot_of = min(waits)
-            self.snapshot = self.stacks(workers, f"a rank waited {now - min(waits):.1f} s on the others, "
-                                                 f"{self.collective_timeout_s:g} s is the collective timeout")
+            self.snapshot = self.stacks(view.workers, f"a rank waited {now - min(waits):.1f} s on the others, "
+                                                      f"{self.collective_timeout_s:g} s is the collective timeout")
         if not self.timeout_s:
             return None
         last = max((rec["last_step_time"] or 0.0 for rec in records.values()), default=0.0)
@@ -148,7 +134,7 @@ class HangWatch:
         """Rank ``local_rank`` wrote ``error_file``: if it reports a collective timeout, take the live ranks' stacks
         now, while it waits for them (rank.child.wait_for_stacks) and the others are where it left them; then let
         it go. ``failed``: local ranks whose errors are known (their tracebacks are in the summary)."""
-        failure = Failure.from_exit(self.node_rank, self._global_rank(local_rank), local_rank, None, error_file)
+        failure = Failure.from_exit(self.node_rank, self.progress.global_rank(local_rank), local_rank, None, error_file)
         if is_hang(failure) and not self.taken:
             if self.snapshot:  # taken just before the timeout fired: where every rank was then
                 self.taken = self.snapshot
@@ -163,7 +149,8 @@ class HangWatch:
 
     def stacks(self, workers: Dict[int, Tuple[int, bool]], why: str, stuck: Sequence[int] = ()) -> str:
         """The stack section for the live ranks in ``workers`` (local rank -> (pid, alive)), taken now."""
-        live = {self._global_rank(r): (pid, self.stack_file(r)) for r, (pid, alive) in workers.items() if alive}
+        live = {self.progress.global_rank(r): (pid, self.stack_file(r)) for r, (pid, alive) in workers.items()
+                if alive}
         taken = stacks.take(live)
-        records = self.records(list(workers))
+        records = self.progress.read(list(workers))
         return stacks.format_stacks(taken, records, self.node_rank, why, stuck)

@@ -5,8 +5,9 @@ all-reduce), so what is compared is each rank's **busy time**: its time outside 
 measures, per step (one call of ``FabricOptimizer.step``), the time since its previous step less the time spent in
 ``fabric.backward`` (which holds the wait for the gradient all-reduce) and in fabriclite's collectives; the
 straggler waits least, so it is the busiest. No comm hook, nothing added to a gradient bucket: the numbers go from
-the rank to its supervisor through the rank's shared-memory record (supervision/rank/progress.py), and from the supervisors of the
-other nodes to node 0's through the job's store, once per window. Limit: a rank slow *inside* backward's own compute
+the rank to its supervisor through the rank's shared-memory record (supervision/rank/progress.py), and from the
+supervisors of the other nodes to node 0's through the job's store (control_plane/straggler_reports.py), once per
+window. Limit: a rank slow *inside* backward's own compute
 is not told apart (its compute and the others' wait are both in backward).
 
 - A **window** is ``$FABRICLITE_STRAGGLER_WINDOW`` steps (default 50). Once every rank has passed a window's end,
@@ -24,6 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fabriclite.distributed.control_plane import straggler_reports
+from fabriclite.supervision.rank.progress import write_slowest
+from fabriclite.supervision.watch.progress_records import ProgressRecords
+from fabriclite.supervision.watch.watcher import Event, RoundView
 
 WINDOW_ENV, THRESHOLD_ENV, WINDOWS_ENV = ("FABRICLITE_STRAGGLER_WINDOW", "FABRICLITE_STRAGGLER_THRESHOLD",
                                           "FABRICLITE_STRAGGLER_WINDOWS")
@@ -44,17 +48,23 @@ def _setting(name: str, default: float, kind: Callable[[str], Any], minimum: flo
 
 
 class StragglerWatch:
-    """One supervisor's side. ``observe(records)`` with its ranks' progress records (global rank -> record) as it
-    reads them; on node 0, returns the lines naming new stragglers. ``store``: the job's store across nodes (None
-    on one node); ``node_of``: global rank -> node."""
+    """One supervisor's side, a watcher (supervision/watch/watcher.py): ``observe`` with its ranks' progress records
+    as it reads them; on node 0, returns a ``straggler`` event (with its line) per new straggler, and shows the
+    slowest rank to the progress bar through the ranks' records (``progress``; None: not shown). ``store``: the
+    job's store across nodes (None on one node); ``node_of``: global rank -> node."""
 
-    def __init__(self, node_rank: int, num_nodes: int, node_of: Callable[[int], int]) -> None:
+    def __init__(self, node_rank: int, num_nodes: int, node_of: Callable[[int], int],
+                 progress: Optional[ProgressRecords] = None) -> None:
         self.window = _setting(WINDOW_ENV, DEFAULT_WINDOW, int, 0, "a whole number of steps >= 0 (0: off)")
         self.threshold = _setting(THRESHOLD_ENV, DEFAULT_THRESHOLD, float, 0.0,
                                   "a fraction >= 0 (0.25: 25% slower than the median)")
         self.windows = _setting(WINDOWS_ENV, DEFAULT_WINDOWS, int, 1, "a whole number of windows >= 1")
         self.node_rank, self.num_nodes, self.node_of = node_rank, num_nodes, node_of
+        self.progress = progress
         self.store: Any = None
+        self.reset()
+
+    def start_round(self, number: int) -> None:
         self.reset()
 
     def reset(self) -> None:
@@ -64,9 +74,22 @@ class StragglerWatch:
         self._streak: Dict[int, int] = {}
         self._named: Dict[int, float] = {}
         self.slowest: Optional[Tuple[int, float]] = None
+        self._shown: Optional[Tuple[int, float]] = None
 
     # ------------------------------------------------------------------ per node
-    def observe(self, records: Dict[int, Optional[dict]]) -> List["Straggler"]:
+    def observe(self, view: RoundView) -> List[Event]:
+        """A ``straggler`` event per rank newly found too slow (node 0), and the slowest shown to the progress bar."""
+        found = [Event("straggler", {"rank": s.rank, "node": s.node, "slower": round(s.slower, 4),
+                                     "windows": s.windows}, s.line) for s in self.stragglers(view.records)]
+        if self.slowest != self._shown and self.progress is not None:
+            self._shown = self.slowest
+            rank, slower = self.slowest or (-1, 0.0)
+            for local_rank in view.workers:
+                write_slowest(self.progress.progress_file(local_rank), rank, slower)
+        return found
+
+    def stragglers(self, records: Dict[int, Optional[dict]]) -> List["Straggler"]:
+        """The ranks newly found too slow in the windows ``records`` (global rank -> record) completed (node 0)."""
         if not self.window or not records or any(r is None for r in records.values()):
             return []
         last = min(r["steps"] for r in records.values()) // self.window  # type: ignore[index]

@@ -76,7 +76,7 @@ def test_a_straggler_is_named_once_after_enough_windows_in_a_row(monkeypatch):
     # the records' way in: busy time per step since the previous window's end
     records = {r: {"steps": 4, "busy_ns": int(4 * b * 1e9)} for r, b in slow.items()}
     watch.reset()
-    assert watch.observe(records) == [] and watch.observe(records) == []  # window 1 once, then nothing new
+    assert watch.stragglers(records) == [] and watch.stragglers(records) == []  # window 1 once, then nothing new
     monkeypatch.setenv("FABRICLITE_STRAGGLER_THRESHOLD", "-1")
     with pytest.raises(ValueError, match=r"\$FABRICLITE_STRAGGLER_THRESHOLD='-1' is not valid: expected a fraction"):
         StragglerWatch(0, 1, lambda rank: 0)

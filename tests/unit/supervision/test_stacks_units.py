@@ -15,6 +15,7 @@ from fabriclite.supervision.rank import progress as rank_progress
 from fabriclite.supervision.watch import stacks
 from fabriclite.supervision.processes.failures import Failure
 from fabriclite.supervision.watch.hangs import HangWatch, hang_timeout, is_hang
+from fabriclite.supervision.watch.progress_records import ProgressRecords
 from fabriclite.supervision.rank.child import STACK_SIGNAL
 
 PYSPY = '''Process 8924: python3 train.py
@@ -96,19 +97,23 @@ def test_progress_records_steps_collectives_and_waits(tmp_path, monkeypatch):
 def test_the_step_watch_is_armed_by_the_first_step_and_fires_after_the_timeout(tmp_path, monkeypatch):
     monkeypatch.setenv("FABRICLITE_HANG_TIMEOUT", "0.3")
     monkeypatch.setenv("FABRICLITE_STACKS", "off")
-    watch = HangWatch(0, lambda r: r, timeout_s=100.0)
-    watch.tmpdir = str(tmp_path)
-    env = watch.rank_env(0, 0, "")
+    progress = ProgressRecords(lambda r: r)
+    progress.tmpdir = str(tmp_path)
+    watch = HangWatch(0, progress, timeout_s=100.0)
+    env = progress.rank_env(0)
     workers = {0: (os.getpid(), True)}
     record = rank_progress.RankProgress(env[rank_progress.PROGRESS_FILE_ENV])
     time.sleep(0.6)
-    assert watch.check(workers) is None  # no step yet: start-up is no hang
+    assert watch.observe(progress.view(workers)) == []  # no step yet: start-up is no hang
     record.step_done()
-    watch._next_check = 0.0
-    assert watch.check(workers) is None
+    assert progress.view(workers) is None  # read less than CHECK_EVERY_S ago
+    progress._next_read = 0.0
+    assert watch.observe(progress.view(workers)) == []
     time.sleep(0.6)
-    watch._next_check = 0.0
-    assert "no rank of node 0 completed an optimizer step for 1 s (hang timeout 0.3 s" in watch.check(workers)
+    progress._next_read = 0.0
+    events = watch.observe(progress.view(workers))
+    assert [(e.kind, e.ends_round) for e in events] == [("hang", True)]
+    assert "no rank of node 0 completed an optimizer step for 1 s (hang timeout 0.3 s" in events[0].fields["reason"]
 
 
 def test_hang_settings_and_what_counts_as_a_hang(monkeypatch):
