@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from fabriclite.report import page_style
 from fabriclite.report.job_history import MARK_KINDS, JobHistory, Mark, Round
-from fabriclite.supervision.goodput import PARTS
+from fabriclite.supervision.watch.goodput import PARTS
 
 #: the timeline's geometry (SVG user units)
 WIDTH, GUTTER, RIGHT, AXIS_H, NODE_H, RANK_H = 1200, 150, 18, 30, 38, 24

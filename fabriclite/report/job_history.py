@@ -1,4 +1,4 @@
-"""A job's history read back from its events record (fabriclite/supervision/events.py): every node's file of one
+"""A job's history read back from its events record (fabriclite/supervision/watch/events.py): every node's file of one
 run, as launches, rounds, step rates and marks (failures, restarts, preemptions, requeues, checkpoints, restores,
 hangs, stragglers), with the goodput of each node. Reads schema ``fabriclite.events/2`` and ``/1`` (version 1 has
 no ``steps`` events and no command or engine fields: the rates are each round's average, and those fields are
@@ -12,7 +12,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from fabriclite.supervision.goodput import Goodput, measure
+from fabriclite.supervision.watch.goodput import Goodput, measure
 
 #: the schema versions this reader understands
 SCHEMAS = ("fabriclite.events/1", "fabriclite.events/2")

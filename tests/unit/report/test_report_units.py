@@ -12,7 +12,7 @@ import pytest
 
 from fabriclite import cli
 from fabriclite.report import html_page, job_history, perfetto_trace
-from fabriclite.supervision import goodput
+from fabriclite.supervision.watch import goodput
 
 
 def _e(schema: int, t: float, event: str, node: int = 0, run: str = "r1", **fields: Any) -> Dict[str, Any]:
