@@ -57,8 +57,10 @@ def iterate_from(loader: DataLoader, skip: int, resumed: bool = False) -> Iterat
     if skip <= 0:
         return _quiet_iter(loader) if resumed else iter(loader)
     if isinstance(loader.dataset, IterableDataset):
-        warnings.warn(f"Resuming an IterableDataset mid-epoch: its first {skip} batches of this epoch are loaded "
-                      "and discarded (it has no sampler to skip them in).", stacklevel=3)
+        warnings.warn(f"Resuming a stream (an IterableDataset without state_dict / load_state_dict) mid-epoch by "
+                      f"replay: its first {skip} batches of this epoch are replayed (loaded again and discarded), a "
+                      "wait that grows with the position. Give the dataset state_dict() and load_state_dict() to "
+                      "resume it from its own state.", stacklevel=3)
         iterator = _quiet_iter(loader)
         for _ in range(skip):
             if next(iterator, _END) is _END:

@@ -95,7 +95,7 @@ def setup_dataloader(dataloader: DataLoader, strategy: Strategy, use_distributed
 
 def _shard(loader: DataLoader, kwargs: Dict[str, Any]) -> None:
     batch_sampler = loader.batch_sampler
-    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+    if batch_sampler is not None and not _plain(batch_sampler, BatchSampler):
         if isinstance(batch_sampler, DistributedSamplerWrapper):
             return
         _set(loader, "batch_sampler", DistributedSamplerWrapper(batch_sampler, **kwargs))
@@ -112,11 +112,18 @@ def _shard(loader: DataLoader, kwargs: Dict[str, Any]) -> None:
 def distributed_sampler(dataset: Any, sampler: Any, kwargs: Dict[str, Any]) -> DistributedSampler:
     """The sampler that replaces ``sampler``: a DistributedSampler for plain random / sequential sampling
     (shuffle kept, seeded with the global seed), a DistributedSamplerWrapper for anything else."""
-    plain_random = type(sampler) is RandomSampler and not sampler.replacement and \
+    plain_random = _plain(sampler, RandomSampler) and not sampler.replacement and \
         sampler.num_samples == len(sampler.data_source)
-    if plain_random or type(sampler) is SequentialSampler:
+    if plain_random or _plain(sampler, SequentialSampler):
         return DistributedSampler(dataset, shuffle=plain_random, seed=global_seed(), drop_last=False, **kwargs)
     return DistributedSamplerWrapper(sampler, **kwargs)
+
+
+def _plain(obj: Any, cls: type) -> bool:
+    """Whether ``obj`` is torch's plain ``cls`` or torchdata's StatefulDataLoader stand-in for it (same name, from
+    ``torchdata.stateful_dataloader``: a StatefulDataLoader made with ``shuffle`` / ``batch_size`` has those)."""
+    kind = type(obj)
+    return kind is cls or (kind.__name__ == cls.__name__ and kind.__module__.startswith("torchdata.stateful_dataloader"))
 
 
 def gather_eval(strategy: Strategy, data: Any, dataloader: Any) -> Any:

@@ -1,0 +1,212 @@
+"""A streaming loader's position across a checkpoint: what ``FabricDataLoader`` adds to its state for a loader over
+an ``IterableDataset`` (or a torchdata ``StatefulDataLoader``), and how an epoch resumes from it.
+
+- Saving inside an epoch (``Streams.record``): the sizes the position holds for (world size, ``num_workers``, the
+  kind: ``checkpoint.stream_position``) and, for a stateful stream, every rank's per-worker states of the batches the
+  loop consumed (``training.stateful_loading``), gathered to every rank so that rank 0's file holds them all; for a
+  Hugging Face stream dealt by shards also each worker's stream of shards (``training.shard_dealing``); for a
+  ``StatefulDataLoader`` its own ``state_dict()``, per rank. ``record`` is a collective then: ``fabric.save`` calls
+  it on every rank.
+- Loading (``Streams.load``): ``stream_position.plan`` decides; the position that cannot be carried over raises
+  ``StreamPositionError`` before the first batch.
+- The next epoch (``Streams.batches``): resumed from each worker's own state (same sizes), replayed (a stateless
+  stream at the same sizes), or the shards' rest dealt again over this run's ranks and workers, padded so that every
+  rank yields the same number of batches (named and counted in one warning), or cut with ``drop_last``.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+from fabriclite.checkpoint import elastic, stream_position
+from fabriclite.training import shard_dealing, stateful_loading
+
+_END = object()
+
+
+class Streams:
+    """The stream side of one ``FabricDataLoader`` (over ``loader``, for ``strategy``'s rank)."""
+
+    def __init__(self, loader: DataLoader, strategy: Any) -> None:
+        self.loader, self.strategy = loader, strategy
+        self.world_size, self.rank = int(strategy.world_size), int(strategy.global_rank)
+        self.num_workers = int(loader.num_workers)
+        self.torchdata = stream_position.is_torchdata_loader(loader)
+        self.kind = stream_position.stream_kind(loader, self.world_size)
+        if self.torchdata and self.kind == "shards":
+            self.kind = "stateful"  # torchdata runs the stream with its own states: fabriclite deals no shards
+        self.ignore = False
+        self._tagged: Optional[DataLoader] = None  # the plain epochs' tagged loader (its persistent workers)
+        self._pending: Optional[Dict[str, Any]] = None  # how the next epoch resumes
+        self._consumed: Optional[stateful_loading.Consumed] = None  # the running epoch's consumed tags
+        self._plans: Optional[Dict[int, Dict[str, Any]]] = None  # the running epoch's shard streams per worker
+        self._dealt = False  # the running epoch is a dealt rest (its ranks run in lockstep to its end)
+
+    @property
+    def tagged(self) -> bool:
+        """Whether batches carry per-worker states (a stateful stream not run by torchdata)."""
+        return self.kind in ("stateful", "shards") and not self.torchdata
+
+    # ------------------------------------------------------------------ saving
+    def record(self, state: Dict[str, Any], running: bool) -> Dict[str, Any]:
+        """``state`` (the loader's position) with the stream's part (see the module docstring)."""
+        if self.kind is None and not self.torchdata:
+            return state
+        if self.kind is not None:
+            state.update(world_size=self.world_size, num_workers=self.num_workers, stream=self.kind)
+            if self.kind == "stateful" and stream_position.is_hf_iterable(self.loader.dataset):
+                state["hf_refusal"] = stream_position.shards_refusal(self.loader.dataset, self.world_size,
+                                                                     self.num_workers)
+        if not running or int(state.get("batch", 0)) == 0:
+            return state
+        if self.torchdata:
+            state["torchdata"] = self._gather(self.loader.state_dict())  # type: ignore[attr-defined]
+        elif self.tagged:
+            assert self._consumed is not None
+            mine = self._consumed.state()
+            if self.kind == "shards":
+                mine.update(plans=self._plans, dealt=self._dealt)
+            ranks = self._gather(mine)
+            if self.kind == "stateful" and stateful_loading.all_ended(ranks, self.num_workers):
+                return {**state, "epoch": int(state["epoch"]) + 1, "batch": 0}  # an epoch's end is the next's start
+            state["ranks"] = ranks
+        return state
+
+    def _gather(self, obj: Any) -> List[Any]:
+        return self.strategy.all_gather_object(obj) if self.world_size > 1 else [obj]
+
+    # ------------------------------------------------------------------ loading
+    def load(self, state: Dict[str, Any]) -> Optional[int]:
+        """Prepare the next epoch to resume from ``state`` (a position inside an epoch written by this fabriclite,
+        with ``"stream"`` or ``"torchdata"``): the batches to replay (None: none, the position is taken over here)."""
+        self._pending = None
+        epoch, batch = int(state["epoch"]), int(state["batch"])
+        if "torchdata" in state and "stream" not in state:
+            return None  # a map-style StatefulDataLoader: loader_position decides, torchdata's state follows
+        refusal = stream_position.shards_refusal(self.loader.dataset, self.world_size, self.num_workers) \
+            if stream_position.is_hf_iterable(self.loader.dataset) else None
+        how = stream_position.plan(state, self.kind, self.world_size, self.num_workers, self.ignore, refusal)
+        if how == "restart":
+            return 0
+        if how == "replay":
+            return batch
+        if "torchdata" in state:
+            self._pending = {"how": "torchdata", "state": state["torchdata"][self.rank], "batch": batch}
+            return 0
+        ranks = state["ranks"]
+        if how == "states":
+            mine = ranks[self.rank]
+            self._pending = {"how": "states", "tags": mine.get("workers", {}), "plans": mine.get("plans"),
+                             "batch": batch, "dealt": bool(mine.get("dealt"))}
+            return 0
+        where = f"The loader's position, batch {batch} of epoch {epoch}"
+        rest = shard_dealing.rest(ranks, where)
+        plans = shard_dealing.deal(rest, self.world_size, self.num_workers)
+        self._pending = {"how": "deal", "plans": plans[self.rank], "batch": 0, "dealt": True}
+        started = sum(1 for entry in rest if entry[1])
+        elastic.note(f"the stream's position was saved by {stream_position.sizes(int(state['world_size']), int(state.get('num_workers', 0)))} "
+                     f"and this run has {stream_position.sizes(self.world_size, self.num_workers)}: epoch {epoch} "
+                     f"continues with the {len(rest)} shards left ({started} of them part-read, each resumed at its "
+                     "offset), dealt over this run's ranks and workers; ranks whose share ends first repeat the "
+                     "start of their share as padding (counted in a warning at the epoch's end), or stop with the "
+                     "others under drop_last.", self.rank == 0)
+        return 0
+
+    def resume_torchdata(self, states: List[Any], batch: int) -> None:
+        """Start the next epoch from this rank's StatefulDataLoader state in ``states`` (a map-style loader at the
+        same world size: torchdata skips the consumed indices in the sampler)."""
+        self._pending = {"how": "torchdata", "state": states[min(self.rank, len(states) - 1)], "batch": batch}
+
+    def pending_torchdata(self) -> Optional[Any]:
+        """The StatefulDataLoader state the next epoch starts from (taken off), or None."""
+        if self._pending is not None and self._pending["how"] == "torchdata":
+            pending, self._pending = self._pending, None
+            return pending["state"]
+        return None
+
+    def resumed_batches(self) -> int:
+        """The batches already consumed in the epoch the next ``iter()`` resumes (0 for a plain epoch)."""
+        return int(self._pending["batch"]) if self._pending is not None else 0
+
+    def forget(self) -> None:
+        """Drop a pending resume (``set_epoch``)."""
+        self._pending = None
+
+    # ------------------------------------------------------------------ iterating
+    def _plain_plans(self) -> Optional[Dict[int, Dict[str, Any]]]:
+        if self.kind != "shards":
+            return None
+        shards = int(self.loader.dataset._ex_iterable.num_shards)  # type: ignore[attr-defined]
+        workers = max(1, self.num_workers)
+        return {w: shard_dealing.plain_plan(shards, self.rank, self.world_size, w, workers) for w in range(workers)}
+
+    def _source(self, plans: Optional[Dict[int, Dict[str, Any]]]) -> Any:
+        if self.kind == "shards":
+            return shard_dealing.ShardDealer(self.loader.dataset, self.rank, self.world_size, plans)
+        return stateful_loading.DatasetSource(self.loader.dataset)
+
+    def batches(self) -> Iterator[Any]:
+        """The running epoch's batches (a tagged stream: see the module docstring), untagged."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            if self._tagged is None:
+                self._tagged = stateful_loading.snapshot_loader(self.loader, self._source(None))
+            loader, self._plans, start = self._tagged, self._plain_plans(), None
+        elif pending["how"] == "states":
+            plans = {int(w): p for w, p in pending["plans"].items()} if pending["plans"] is not None else None
+            tagged = stateful_loading.snapshot_loader(self.loader, self._source(plans))
+            start = pending["tags"]
+            loader = stateful_loading.resumed_copy(tagged, stateful_loading.worker_states({"workers": start}))
+            self._plans = plans if plans is not None else self._plain_plans()
+        else:  # deal
+            self._plans = {int(w): p for w, p in pending["plans"].items()}
+            loader, start = stateful_loading.snapshot_loader(self.loader, self._source(self._plans)), None
+        self._consumed = stateful_loading.Consumed(start)
+        self._dealt = pending is not None and bool(pending.get("dealt"))
+        if self._dealt:
+            yield from self._lockstep(loader)
+            return
+        for data, tag in loader:
+            self._consumed.hand_out(tag)
+            yield data
+
+    def _lockstep(self, loader: DataLoader) -> Iterator[Any]:
+        """A dealt epoch's rest: every rank yields the same number of batches (padding, or drop_last)."""
+        assert self._consumed is not None
+        iterator, padding, pads, left_out = iter(loader), None, 0, 0
+        drop_last = bool(self.loader.drop_last)
+        while True:
+            item = next(iterator, _END)
+            have = self.strategy.flat_all_reduce(torch.tensor([0 if item is _END else 1]), "sum")
+            ranks_with = int(have.item())
+            if ranks_with == 0:
+                break
+            if ranks_with < self.world_size and drop_last:
+                left_out += 0 if item is _END else 1
+                break
+            if item is _END:
+                if padding is None or (item := next(padding, _END)) is _END:
+                    padding = iter(loader)  # the start of this rank's share again
+                    item = next(padding, _END)
+                if item is _END:
+                    raise stream_position.StreamPositionError(
+                        f"rank {self.rank} has no sample at all in the resumed epoch's rest to repeat as padding; "
+                        "resume with fewer ranks or workers, or start the epoch over (loader.set_epoch).")
+                pads += 1
+                yield item[0]
+                continue
+            self._consumed.hand_out(item[1])
+            yield item[0]
+        counts = self._gather((pads, left_out))
+        if self.rank == 0 and any(p or c for p, c in counts):
+            text = ", ".join(f"rank {r}: {p} padding batch{'' if p == 1 else 'es'}" + (f", {c} left out" if c else "")
+                             for r, (p, c) in enumerate(counts) if p or c)
+            warnings.warn(f"Elastic resume: the resumed epoch's rest ended unevenly over the ranks; so that every "
+                          f"rank yields the same number of batches, {text} (padding repeats the start of that "
+                          "rank's share of the rest; drop_last leaves batches out instead).", stacklevel=2)
+
+
+__all__ = ["Streams"]
