@@ -69,7 +69,7 @@ def shards_refusal(dataset: Any, world_size: int, num_workers: int) -> Optional[
     if int(distributed.world_size) != world_size:
         return (f"it was split with split_dataset_by_node(..., world_size={distributed.world_size}) but the job has "
                 f"{world_size} ranks")
-    if "BufferShuffled" in repr(dataset.state_dict()):
+    if any("BufferShuffled" in type(part).__name__ for part in _pipeline(dataset._ex_iterable)):
         return ("it has a shuffle buffer (.shuffle()), whose contents a saved position loses (Hugging Face documents "
                 "this)")
     shards = int(dataset._ex_iterable.num_shards)
@@ -78,6 +78,14 @@ def shards_refusal(dataset: Any, world_size: int, num_workers: int) -> Optional[
         return (f"it has {shards} shards, fewer than ranks x workers = {world_size} x {max(1, num_workers)} = {slots}; "
                 "reshard it (more files, or Dataset.to_iterable_dataset(num_shards=...))")
     return None
+
+
+def _pipeline(ex_iterable: Any) -> Any:
+    """Every examples iterable of a Hugging Face pipeline (its ``ex_iterable`` / ``ex_iterables`` chain)."""
+    yield ex_iterable
+    for inner in [getattr(ex_iterable, "ex_iterable", None), *getattr(ex_iterable, "ex_iterables", [])]:
+        if inner is not None:
+            yield from _pipeline(inner)
 
 
 def stream_kind(loader: DataLoader, world_size: int) -> Optional[str]:

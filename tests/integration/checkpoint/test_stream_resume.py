@@ -58,7 +58,7 @@ def map_padding(world: int, epochs: range) -> Dict[int, List[int]]:
 
 def run_pair(first: Any, second: Any, kind: str, directory: str, save_at: int, stop_at: int,
              **second_options: Any) -> List[Dict[str, Any]]:
-    attempt(first, kind, directory, "a0", save_at=save_at, stop_at=stop_at, **second_options.pop("first", {}))
+    attempt(first, kind, directory, "a0", save_at=save_at, stop_at=stop_at, **second_options.pop("first_options", {}))
     return attempt(second, kind, directory, "a1", resume=checkpoint(directory), **second_options)
 
 
@@ -146,7 +146,7 @@ def test_hf_fewer_shards_than_ranks_times_workers(pool2: Any, pool3: Any, tmp_pa
 def test_persistent_workers_later_epochs_complete(pool2: Any, tmp_path: Any, kind: str) -> None:
     """datasets #7447: after a resume with persistent_workers=True, the later epochs are whole, not the remainder."""
     run_pair(pool2, pool2, kind, str(tmp_path), save_at=8, stop_at=9, persistent=True, epochs=3,
-             first={"persistent": True})
+             first_options={"persistent": True})
     check_epochs(account(str(tmp_path)), LENGTH, 3, {e: [] for e in range(3)})
 
 
