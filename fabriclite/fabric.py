@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from fabriclite import collectives
 from fabriclite.accelerators import Accelerator
-from fabriclite.checkpoint import elastic, manifest, resume_state
+from fabriclite.checkpoint import elastic, lineage, manifest, resume_state
 from fabriclite.checkpoint.resume_state import ResumeState
 from fabriclite.checkpoint.saving import load_raw
 from fabriclite.compat import lightning_module, run_method, user_warnings
@@ -73,6 +73,7 @@ class Fabric:
         self._launched = False
         self._joined_by_cli = False
         self._preempted = False
+        self._lineages = lineage.Lineages()  # global rank 0: the lineage each checkpoint directory continues
         self._restart_count: Optional[int] = None
         self._bind_loggers()
         user_warnings.apply_env_switch()  # POSSIBLE_USER_WARNINGS=0 / off (Lightning reads it on import)
@@ -371,15 +372,15 @@ class Fabric:
              filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None, *, keep: Optional[int] = None) -> None:
         """Write ``state`` to ``path`` through the strategy (global rank 0 and its CheckpointIO, atomic by default;
         every rank its shard for sharded strategies); every rank returns when it is written (asynchronous saves:
-        snapshotted). ``keep=K``: record it in the directory's manifest once complete and keep this run's K newest
-        (see fabriclite.checkpoint.manifest)."""
+        snapshotted). ``keep=K``: record it in the directory's manifest once complete and keep the K newest of its
+        lineage, which a resumed run continues (see fabriclite.checkpoint.manifest and .lineage)."""
         self._check_launched("save")
         started = time.perf_counter()
         unwrapped = wrapping.unwrap(state, loaders=False)
         if keep is None:
             self._strategy.save_checkpoint(path, unwrapped, filter=filter)
         else:
-            manifest.save_recorded(self._strategy, path, unwrapped, filter, keep)
+            manifest.save_recorded(self._strategy, path, unwrapped, filter, keep, self._lineages)
         record = rank_progress.progress()
         events.checkpoint_saved(self.global_rank, path, started, record.steps if record is not None else None)
 
@@ -392,6 +393,8 @@ class Fabric:
         resume_state.set_strict(unwrapped, strict)
         with elastic.one_warning(self.global_rank == 0):
             remainder = self._strategy.load_checkpoint(path, unwrapped, strict=strict, weights_only=weights_only)
+        if self.global_rank == 0:
+            self._lineages.loaded(os.fspath(path))  # a later save(..., keep=K) there continues its lineage
         if state is not None:
             live_recovery.keep_values(state, unwrapped)
         return remainder

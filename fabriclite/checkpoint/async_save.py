@@ -121,8 +121,10 @@ class AsyncCheckpointIO(CheckpointIO):
         self.save_in_background(checkpoint, path, storage_options)
 
     def save_in_background(self, checkpoint: Dict[str, Any], path: PathLike, storage_options: Optional[Any] = None,
-                           then: Optional[Callable[[], None]] = None) -> None:
-        """``save_checkpoint``, and ``then()`` in the background once the wrapped plugin has returned."""
+                           then: Optional[Callable[[], None]] = None,
+                           end: Optional[Callable[[], None]] = None) -> None:
+        """``save_checkpoint``, and ``then()`` in the background once the wrapped plugin has returned; ``end()``
+        after it, whether the write worked or not."""
         self._inflight.wait()
         inner = self.checkpoint_io
         if isinstance(inner, TorchCheckpointIO):
@@ -133,9 +135,13 @@ class AsyncCheckpointIO(CheckpointIO):
         self._buffers = buffers if reusable else []
 
         def job() -> None:
-            inner.save_checkpoint(copied, path, storage_options=storage_options)
-            if then is not None:
-                then()
+            try:
+                inner.save_checkpoint(copied, path, storage_options=storage_options)
+                if then is not None:
+                    then()
+            finally:
+                if end is not None:
+                    end()
 
         self._inflight.start(job, os.fspath(path))
 
@@ -175,10 +181,11 @@ class AsyncShardedSaves:
             self._group = dist.new_group(backend="gloo", timeout=getattr(strategy, "timeout", None))
         return self._group
 
-    def save(self, strategy: Any, path: str, writer: Any, tmp_tag: str, on_complete: Optional[OnComplete]) -> None:
+    def save(self, strategy: Any, path: str, writer: Any, tmp_tag: str, on_complete: Optional[OnComplete],
+             on_end: Optional[Callable[[], None]] = None) -> None:
         """Stage ``writer``'s shards and start writing them to ``path`` (a ``dcp.ShardedWriter``); call on every
         rank. Returns once this rank's shard is copied; the checkpoint appears at ``path`` (and ``on_complete`` runs
-        on rank 0) once every rank's part is written."""
+        on rank 0) once every rank's part is written; ``on_end`` runs on rank 0 after that, or after the failure."""
         from torch.distributed import checkpoint as dcp
 
         from fabriclite.checkpoint.dcp import storage_writer
@@ -224,6 +231,8 @@ class AsyncShardedSaves:
                     except BaseException as err:  # noqa: BLE001 - every rank must hear of it
                         final = f"{type(err).__name__}: {err}"
             final = _broadcast(group, world, final)
+            if rank == 0 and on_end is not None:
+                on_end()
             if any(outcomes):
                 raise_failure(path, outcomes, error)
             if final is not None:

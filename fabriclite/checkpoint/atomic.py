@@ -19,6 +19,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 
 from fabriclite import collectives
+from fabriclite.checkpoint import writers
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -129,7 +130,7 @@ def atomic_save(obj: Any, path: PathLike, tmp_tag: str = "") -> None:
     path = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(path)
     os.makedirs(directory, exist_ok=True)
-    tmp = tmp_name(directory, name, tmp_tag, f"{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = tmp_name(directory, name, tmp_tag, f"{writers.token(writers.me())}-{secrets.token_hex(4)}")
     try:
         write_file(obj, tmp)
         swap_in(tmp, path)

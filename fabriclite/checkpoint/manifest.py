@@ -4,17 +4,22 @@ Each directory that ``fabric.save(path, state, keep=K)`` writes into holds a sma
 ``fabriclite-manifest.json``, written atomically (temporary file, fsync, rename) by global rank 0 under a lock:
 
     {"format": "fabriclite.manifest", "version": 1, "run_id": "<the last writer's run id>",
-     "checkpoints": [{"name": "step-5.ckpt", "run_id": "...", "time": 1700000000.0,
-                      "files": {"step-5.ckpt": {"size": 1234, "sha256": "..."}}}, ...]}   # oldest first
+     "checkpoints": [{"name": "step-5.ckpt", "run_id": "...", "lineage": "...", "time": 1700000000.0,
+                      "writer": {"host": "node1", "pid": 4242, "start": 81234},
+                      "files": {"step-5.ckpt": {"size": 1234, "sha256": "..."}}}, ...],   # oldest first
+     "pending": [{"name": "step-10.ckpt", "run_id": "...", "lineage": "...", "time": ..., "writer": {...}}]}
 
 A checkpoint is recorded only once it is complete on every rank (``saving.save_checkpoint``'s ``on_complete``:
 at once for a synchronous save, in the background for an asynchronous one), with the size and sha256 of each of
 its files (``fabriclite.checkpoint.integrity``; ``load_latest`` checks them: ``fabriclite.checkpoint.latest``).
-The manifest is the commit point. After recording, only the ``keep`` newest entries *of this run* stay; the
-dropped ones are deleted (one-file checkpoints through the strategy's CheckpointIO's ``remove_checkpoint``).
-Cleanup deletes nothing but this run's dropped checkpoints and this run's stray temporary files
-(``.<name>.tmp-<run id>-...``, left by a process killed while writing): two jobs sharing a directory never delete
-each other's files, and the lock serialises their manifest updates (no entry is lost).
+The manifest is the commit point. After recording, only the ``keep`` newest entries *of this lineage* stay
+(``fabriclite.checkpoint.lineage``: a run that resumed from a checkpoint continues its lineage, across new run
+ids); the dropped ones are deleted (one-file checkpoints through the strategy's CheckpointIO's
+``remove_checkpoint``). Each save is first recorded as pending (``"pending"``: name, lineage, run id and writer,
+``fabriclite.checkpoint.writers``), so the next save can delete what a killed writer left: its temporaries and a
+checkpoint it published but never recorded. Cleanup deletes nothing but the lineage's dropped checkpoints, what
+dead writers left, and this run's stray temporary files: a live writer's files and the checkpoints of unrelated
+runs sharing the directory are never touched, and the lock serialises the manifest updates (no entry is lost).
 
 On an fsspec URL (``fabriclite.checkpoint.remote_paths``) the manifest is one object, replaced by one upload; an
 object store has no lock, so two jobs must not share a directory there (an update can overwrite the other's).
@@ -30,12 +35,12 @@ import json
 import os
 import secrets
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from fabriclite import collectives
-from fabriclite.checkpoint import remote_paths
+from fabriclite.checkpoint import lineage, remote_paths, writers
 from fabriclite.checkpoint.atomic import remove_path, swap_in, tmp_name
-from fabriclite.checkpoint.saving import save_checkpoint
+from fabriclite.checkpoint.saving import save_checkpoint, wait_for_saves
 from fabriclite.distributed import rendezvous
 
 MANIFEST = "fabriclite-manifest.json"
@@ -54,46 +59,94 @@ def check_keep(keep: Any) -> int:
     return keep
 
 
-def save_recorded(strategy: Any, path: PathLike, state: Mapping[str, Any], filter: Any, keep: int) -> None:
-    """``save_checkpoint`` to ``path``, then record it in its directory's manifest and keep only this run's
-    ``keep`` newest (see the module docstring). Call on every rank. The manifest is checked before anything is
-    written: one that is not in this format is a ValueError on every rank."""
+def save_recorded(strategy: Any, path: PathLike, state: Mapping[str, Any], filter: Any, keep: int,
+                  lineages: Optional[lineage.Lineages] = None) -> None:
+    """``save_checkpoint`` to ``path``, then record it in its directory's manifest and keep only the ``keep``
+    newest of its lineage (see the module docstring; ``lineages``: what this Fabric loaded, to continue its
+    lineage). Call on every rank. The manifest is checked before anything is written: one that is not in this
+    format is a ValueError on every rank."""
     keep = check_keep(keep)
     path = remote_paths.normalize(path)
     directory, name = remote_paths.split(path)
     if name == MANIFEST:
         raise ValueError(f"save({path!r}): {MANIFEST} is the manifest's own name; pick another file name.")
-    # rank 0's run id, on every rank: it names the temporaries every rank writes (a sharded checkpoint's)
-    rid = on_rank_zero(strategy, lambda: read_manifest(directory) and None or rendezvous.run_id())
+    try:
+        wait_for_saves(strategy)  # one save in flight: the one before is recorded before this one is pending
+    except BaseException:
+        if lineages is not None:
+            lineages.locks.release(directory)  # held since that save, whose background write failed
+        raise
+    me = writers.me()
+
+    def begin() -> Tuple[str, str, str]:
+        rid = rendezvous.run_id()
+        loaded = lineages.lineage(directory) if lineages is not None else None
+        with _Lock(directory):
+            manifest = read_manifest(directory) or _empty()
+            chosen = lineage.choose(loaded, manifest["checkpoints"], rid)
+            if lineages is not None:
+                lineages.locks.hold(directory)
+            pending = [p for p in manifest.get("pending", []) if not (p["name"] == name and p.get("writer") == me)]
+            pending.append({"name": name, "run_id": rid, "lineage": chosen, "time": time.time(), "writer": me})
+            write_manifest(directory, {**manifest, "pending": pending}, rid)
+        return rid, f"{rid}-{writers.token(me)}", chosen
+
+    # rank 0's run id, writer and lineage, on every rank: the tag names the temporaries every rank writes (a
+    # sharded checkpoint's)
+    rid, tag, chosen = on_rank_zero(strategy, begin)
     io = strategy.file_checkpoint_io
 
     def on_complete(files: Dict[str, Dict[str, Any]]) -> None:
-        record(directory, name, rid, keep, files, io.remove_checkpoint)
+        record(directory, name, rid, keep, files, io.remove_checkpoint, lineage_id=chosen, writer=me)
 
-    save_checkpoint(strategy, path, state, filter, tmp_tag=rid, on_complete=on_complete)
+    def on_end() -> None:
+        if lineages is not None:
+            lineages.locks.release(directory)
+
+    try:
+        save_checkpoint(strategy, path, state, filter, tmp_tag=tag, on_complete=on_complete, on_end=on_end)
+    except BaseException:
+        if lineages is not None and strategy.is_global_zero:
+            lineages.locks.release(directory)
+        raise
 
 
 def record(directory: str, name: str, rid: str, keep: int, files: Optional[Dict[str, Any]] = None,
-           remove: Optional[Callable[[str], Any]] = None) -> List[str]:
+           remove: Optional[Callable[[str], Any]] = None, lineage_id: Optional[str] = None,
+           writer: Optional[writers.Writer] = None) -> List[str]:
     """Add ``name`` (complete; ``files``: its files' digests) as the newest checkpoint of run ``rid`` to
-    ``directory``'s manifest, drop this run's entries beyond the ``keep`` newest and delete them (a directory
-    directly, a file with ``remove``, default: directly) and this run's stray temporaries. Returns the names
+    ``directory``'s manifest, in lineage ``lineage_id`` (default: ``lineage.choose`` for ``rid``) written by
+    ``writer``; drop the lineage's entries beyond the ``keep`` newest (``lineage.prune``) and settle pending
+    entries (``lineage.settle_pending``); then delete the dropped checkpoints (a directory directly, a file with
+    ``remove``, default: directly), what dead writers left, and this run's stray temporaries. Returns the names
     deleted. One process at a time per local directory (a lock file)."""
+    alive = lineage.alive_in(directory)
     with _Lock(directory):
         manifest = read_manifest(directory) or _empty()
+        chosen = lineage_id or lineage.choose(None, manifest["checkpoints"], rid)
         entries = [e for e in manifest["checkpoints"] if e["name"] != name]
-        entry: Dict[str, Any] = {"name": name, "run_id": rid, "time": time.time()}
+        entry: Dict[str, Any] = {"name": name, "run_id": rid, "lineage": chosen, "time": time.time()}
+        if writer is not None:
+            entry["writer"] = writer
         if files:
             entry["files"] = files
         entries.append(entry)
-        mine = [e for e in entries if e["run_id"] == rid]
-        dropped = mine[:-keep]
-        kept = [e for e in entries if e not in dropped]
-        write_manifest(directory, {**manifest, "run_id": rid, "checkpoints": kept}, rid)
+        kept, dropped = lineage.prune(entries, chosen, keep, writer, alive)
+        pending = [p for p in manifest.get("pending", []) if not (p["name"] == name and p.get("writer") == writer)]
+        pending, abandoned = lineage.settle_pending(pending, kept, chosen, writer, alive)
+        write_manifest(directory, {**manifest, "run_id": rid, "checkpoints": kept, "pending": pending}, rid)
+        left = lineage.leftovers(directory, abandoned, kept) if abandoned else []
+        if not remote_paths.is_remote(directory):
+            left += lineage.dead_temporaries(directory, writer, alive)
+    writing = {p["name"] for p in pending}  # a live writer is about to publish that name: leave the file
     deleted = []
     for dropped_entry in dropped:
-        if _delete(remote_paths.join(directory, dropped_entry["name"]), remove):
+        if dropped_entry["name"] not in writing and _delete(remote_paths.join(directory, dropped_entry["name"]),
+                                                            remove):
             deleted.append(dropped_entry["name"])
+    for leftover in left:
+        if _delete(remote_paths.join(directory, leftover), remove if not leftover.startswith(".") else None):
+            deleted.append(leftover)
     remove_stray_temporaries(directory, rid)
     return deleted
 
@@ -163,7 +216,9 @@ def read_manifest(directory: str) -> Optional[Dict[str, Any]]:
         ok = data.get("format") == FORMAT and isinstance(data.get("checkpoints"), list) and all(
             isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("run_id"), str)
             and os.path.basename(e["name"]) == e["name"] and isinstance(e.get("files", {}), dict)
-            for e in data["checkpoints"])
+            for e in data["checkpoints"]) and isinstance(data.get("pending", []), list) and all(
+            isinstance(p, dict) and isinstance(p.get("name"), str) and os.path.basename(p["name"]) == p["name"]
+            for p in data.get("pending", []))
     except (ValueError, AttributeError):
         ok = False
     if not ok:
@@ -182,7 +237,7 @@ def write_manifest(directory: str, manifest: Dict[str, Any], rid: str) -> None:
         remote_paths.write_bytes(remote_paths.join(directory, MANIFEST), text.encode())
         return
     os.makedirs(directory, exist_ok=True)
-    tmp = tmp_name(directory, MANIFEST, rid, f"{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = tmp_name(directory, MANIFEST, rid, f"{writers.token(writers.me())}-{secrets.token_hex(4)}")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
@@ -191,7 +246,8 @@ def write_manifest(directory: str, manifest: Dict[str, Any], rid: str) -> None:
 
 
 def remove_stray_temporaries(directory: str, rid: str) -> None:
-    """Delete ``.<name>.tmp-<rid>-...`` files in the local ``directory`` (only run ``rid``'s)."""
+    """Delete ``.<name>.tmp-<rid>-...`` files in the local ``directory`` (only run ``rid``'s), but none whose name
+    carries the token of another writer that is alive (``fabriclite.checkpoint.writers``)."""
     if remote_paths.is_remote(directory):
         return  # nothing is written under a temporary name there
     try:
@@ -199,9 +255,12 @@ def remove_stray_temporaries(directory: str, rid: str) -> None:
     except OSError:
         return
     marker = f".tmp-{rid}-"
+    me = writers.me()
     for name in names:
         if name.startswith(".") and marker in name:
-            remove_path(os.path.join(directory, name))
+            writer = writers.parse(name)
+            if writer is None or writer == me or writers.is_dead(writer, directory):
+                remove_path(os.path.join(directory, name))
 
 
 def _delete(path: str, remove: Optional[Callable[[str], Any]]) -> bool:
@@ -218,7 +277,7 @@ def _delete(path: str, remove: Optional[Callable[[str], Any]]) -> bool:
 
 
 def _empty() -> Dict[str, Any]:
-    return {"format": FORMAT, "version": VERSION, "run_id": "", "checkpoints": []}
+    return {"format": FORMAT, "version": VERSION, "run_id": "", "checkpoints": [], "pending": []}
 
 
 class _Lock:

@@ -71,7 +71,7 @@ def to_saveable(strategy: Any, state: Mapping[str, Any], filter: Optional[Filter
 
 def save_checkpoint(strategy: Any, path: PathLike, state: Mapping[str, Any], filter: Optional[Filter] = None,
                     storage_options: Optional[Any] = None, tmp_tag: str = "",
-                    on_complete: Optional[OnComplete] = None) -> None:
+                    on_complete: Optional[OnComplete] = None, on_end: Optional[Callable[[], None]] = None) -> None:
     """Write ``state`` to ``path`` (see the module docstring). Call on every rank with the same path.
 
     One file: global rank 0 hands the state_dicts to the strategy's CheckpointIO (``storage_options`` passed
@@ -79,7 +79,8 @@ def save_checkpoint(strategy: Any, path: PathLike, state: Mapping[str, Any], fil
     A sharded directory: every rank writes its shard (TypeError for ``storage_options``, as in Lightning).
     ``tmp_tag`` goes into temporary names (the manifest puts the run id there). ``on_complete(files)`` runs on
     global rank 0 once the checkpoint is complete on every rank (later, in the background, for asynchronous
-    saves), with its files' digests (``fabriclite.checkpoint.integrity``)."""
+    saves), with its files' digests (``fabriclite.checkpoint.integrity``). ``on_end()`` runs on global rank 0 once
+    the save has ended, complete or failed (in the background for asynchronous saves that started)."""
     check_filter(state, filter)
     target = remote_paths.normalize(path)
     writer = strategy.checkpoint_writer(dict(state), filter)
@@ -93,11 +94,15 @@ def save_checkpoint(strategy: Any, path: PathLike, state: Mapping[str, Any], fil
                                       "state_dict_type='full' for one file through fsspec.")
         saver = getattr(strategy, "async_saves", None)
         if saver is not None:
-            saver.save(strategy, target, writer, tmp_tag, on_complete)
+            saver.save(strategy, target, writer, tmp_tag, on_complete, on_end)
             return
-        publish(strategy, target, lambda tmp: writer.write(tmp, named=os.path.abspath(target)), tmp_tag=tmp_tag)
-        if on_complete is not None:
-            _complete_directory(strategy, target, on_complete)
+        try:
+            publish(strategy, target, lambda tmp: writer.write(tmp, named=os.path.abspath(target)), tmp_tag=tmp_tag)
+            if on_complete is not None:
+                _complete_directory(strategy, target, on_complete)
+        finally:
+            if on_end is not None and strategy.is_global_zero:
+                on_end()
         return
     checkpoint = strategy.checkpoint_state(to_saveable(strategy, state, filter))
     io = strategy.file_checkpoint_io
@@ -110,11 +115,16 @@ def save_checkpoint(strategy: Any, path: PathLike, state: Mapping[str, Any], fil
     with collectives.rank_zero_first(strategy):
         if strategy.is_global_zero:
             if isinstance(io, AsyncCheckpointIO):
-                io.save_in_background(checkpoint, target, storage_options, then=complete if on_complete else None)
+                io.save_in_background(checkpoint, target, storage_options, then=complete if on_complete else None,
+                                      end=on_end)
             else:
-                io.save_checkpoint(checkpoint, target, storage_options=storage_options)
-                if on_complete is not None:
-                    complete()
+                try:
+                    io.save_checkpoint(checkpoint, target, storage_options=storage_options)
+                    if on_complete is not None:
+                        complete()
+                finally:
+                    if on_end is not None:
+                        on_end()
 
 
 def _complete_directory(strategy: Any, path: str, on_complete: OnComplete) -> None:

@@ -176,7 +176,8 @@ def test_an_async_save_returns_before_the_write_and_keeps_the_state_it_was_given
     for _ in range(3):
         _step(model, optimizer)  # later steps change the live tensors in place
     assert not _equal(_weights(model), at_save)
-    assert not (tmp_path / "fabriclite-manifest.json").exists()  # nothing recorded before the write is done
+    written = json.loads((tmp_path / "fabriclite-manifest.json").read_text())
+    assert written["checkpoints"] == [] and [p["name"] for p in written["pending"]] == ["a.ckpt"]  # only pending
     gate.set()
     fabric.strategy.wait_for_checkpoints()
     assert _equal(torch.load(tmp_path / "a.ckpt", weights_only=True)["model"], at_save)
