@@ -281,7 +281,7 @@ def _timeline(history: JobHistory) -> str:
         for k in MARK_KINDS)
     rounds_legend = "".join(f'<span><span class="swatch" style="background:{c}"></span>{esc(n)}</span>' for n, c in (
         ("start-up", "#bcd3e6"), ("round stepping", "#a8d5a2"), ("failed round", "#f4a6a6"),
-        ("preempted round", "#ffd08a"), ("steps / s of a rank", "#dadaeb")))
+        ("preempted round", "#ffd08a"), ("after the last step", "#e3e6e9"), ("steps / s of a rank", "#dadaeb")))
     return (f'<section id="timeline">\n<h2>Timeline</h2>\n<div class="legend">{legend}</div>\n'
             f'<div class="legend muted">{rounds_legend} <span>time from the first event; '
             f'a thin bar above the rounds: each launch of the supervisor</span></div>\n'
@@ -306,8 +306,12 @@ def _round(history: JobHistory, r: Round, x: _Scale, y0: float) -> str:
     out.append(f'<rect class="round-startup" x="{x(r.start):.1f}" y="{y:.1f}" '
                f'width="{max(x(split) - x(r.start), 0.5):.1f}" height="{h}"/>')
     if up is not None:
-        out.append(f'<rect class="round-{r.outcome}" x="{x(up):.1f}" y="{y:.1f}" width="{max(x(end) - x(up), 0.5):.1f}"'
-                   f' height="{h}"/>')
+        last = min(max(r.last_step or end, up), end)  # after the last step: the ranks' stop and exit
+        out.append(f'<rect class="round-{r.outcome}" x="{x(up):.1f}" y="{y:.1f}" '
+                   f'width="{max(x(last) - x(up), 0.5):.1f}" height="{h}"/>')
+        if end > last:
+            out.append(f'<rect class="round-stopping" x="{x(last):.1f}" y="{y:.1f}" width="{x(end) - x(last):.1f}" '
+                       f'height="{h}"/>')
     label = f"round {r.number}" + (f" \u00b7 {rate:.1f} steps/s" if rate else "")
     if x(end) - x(r.start) > 7 * len(label):
         out.append(f'<text class="round-label" x="{x(r.start) + 4:.1f}" y="{y + h - 6:.1f}">{esc(label)}</text>')

@@ -296,8 +296,8 @@ def _steps_event(history: JobHistory, node: int, e: Dict[str, Any], t: float) ->
 
 
 def _closed(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """``events`` (by time) with a ``job_end`` at the last event of each launch that has none (a supervisor killed, or a job
-    still running), so that goodput measures the time the record covers, not the time until now."""
+    """``events`` (by time) with a ``job_end`` at the last event of each launch that has none (a supervisor killed,
+    or a job still running), so that goodput measures the time the record covers, not the time until now."""
     closed: List[Dict[str, Any]] = []
     open_launch = False
     for e in events:

@@ -58,6 +58,7 @@ td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 .timeline .round-failed { fill: #f4a6a6; }
 .timeline .round-preempted { fill: #ffd08a; }
 .timeline .round-running { fill: #d5d8dc; }
+.timeline .round-stopping { fill: #e3e6e9; }
 .timeline .round-label { font-size: 10px; }
 .timeline .rate { fill: #dadaeb; stroke: #6a51a3; stroke-width: 0.8; }
 .timeline .guide { stroke-width: 1; stroke-dasharray: 2 3; opacity: 0.7; }

@@ -39,6 +39,7 @@ from fabriclite.supervision.rank.child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV
 from fabriclite.supervision.processes.failures import Failure, remote_is_root, root_cause, signal_name, summarize
 from fabriclite.supervision.watch.goodput import JobRecord, RanksUp
 from fabriclite.supervision.watch.hangs import HangWatch, is_hang
+from fabriclite.supervision.watch.step_rates import StepRates
 from fabriclite.supervision.watch.progress_records import ProgressRecords
 from fabriclite.supervision.watch.stragglers import StragglerWatch
 from fabriclite.supervision.watch.watcher import RoundView, Watcher
@@ -122,7 +123,7 @@ class Supervisor:
         self.stragglers = StragglerWatch(layout.node_rank, layout.num_nodes,
                                          lambda rank: rank // layout.local_world_size, self.progress)
         #: what the loop hands each read of the ranks' records to, in this order (supervision/watch/watcher.py)
-        self.watchers: List[Watcher] = [self.hangs, self.up, self.stragglers]
+        self.watchers: List[Watcher] = [self.hangs, self.up, self.stragglers, StepRates()]
         #: this node's ranks of the round being played (supervision/agent/round_ranks.py)
         self.ranks = RoundRanks(layout, self.hangs, self._error_file)
         self._when_up: Optional[Callable[[], None]] = None

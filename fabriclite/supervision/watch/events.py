@@ -10,7 +10,9 @@ across restarts and requeues), ``time`` (unix seconds), ``node``, ``event`` and 
 
 =====================  =====================================================================================
 ``job_start``          a supervisor started (``launch``: how many times this run was launched before: SLURM's
-                       ``SLURM_RESTART_COUNT``, torchrun's ``TORCHELASTIC_RESTART_COUNT``; ``ranks``)
+                       ``SLURM_RESTART_COUNT``, torchrun's ``TORCHELASTIC_RESTART_COUNT``; ``ranks``, ``pid``;
+                       since version 2 ``command``: the supervisor's command line, ``host``, ``slurm_job_id``,
+                       ``slurm_restart_count``, ``torchrun_restart_count``: null outside SLURM / torchrun)
 ``round_start``        a restart round's ranks are started (``round``; 0 is the first start)
 ``ranks_up``           every rank of the node finished its first optimizer step (``round``, ``first_step``: when
                        the slowest did, ``seconds``: since ``round_start``)
@@ -26,6 +28,9 @@ across restarts and requeues), ``time`` (unix seconds), ``node``, ``event`` and 
 ``restore``            a rank (global rank 0) loaded a checkpoint or a live peer's state (``source``, ``seconds``,
                        ``round``); under ``--fault-tolerant`` also ``group``: a heal
 ``straggler``          a rank slower than the median (``rank``, ``node``, ``slower``: fraction, ``windows``)
+``steps``              (version 2) each rank's optimizer steps per second, every ``$FABRICLITE_STEPS_EVERY`` s
+                       (default 10; 0: off) while they step (``round``, ``seconds``: the interval, ``steps`` and
+                       ``per_second``: global rank -> steps in the round so far / per second over the interval)
 ``job_end``            the supervisor ends (``exit_code``)
 =====================  =====================================================================================
 """
@@ -36,7 +41,7 @@ import os
 import time
 from typing import Any, Dict, Optional
 
-SCHEMA = "fabriclite.events/1"
+SCHEMA = "fabriclite.events/2"
 EVENTS_ENV = "FABRICLITE_EVENTS"
 #: the file a supervisor's ranks append their own events to (checkpoints, restores)
 EVENTS_FILE_ENV = "FABRICLITE_EVENTS_FILE"

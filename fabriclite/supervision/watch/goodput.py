@@ -18,6 +18,8 @@ time); "other" is what no event explains (store opening, ranks' exits).
 from __future__ import annotations
 
 import os
+import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -141,6 +143,11 @@ def measure(records: List[Dict[str, Any]]) -> Goodput:
     return result
 
 
+def _env_count(name: str) -> Optional[int]:
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw.isdigit() else None
+
+
 class RanksUp:
     """A watcher (supervision/watch/watcher.py): one ``ranks_up`` event per round, once every rank of the node has
     finished its first optimizer step (``first_step``: when the slowest did, ``seconds``: since the round's
@@ -181,8 +188,13 @@ class JobRecord:
         return {events_mod.EVENTS_FILE_ENV: os.path.abspath(self.log.path)} if self.log is not None else {}
 
     def job_start(self) -> None:
-        launch = os.environ.get("SLURM_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
-        self.emit("job_start", launch=int(launch) if launch.isdigit() else 0, ranks=self.ranks, pid=os.getpid())
+        """``job_start``, with the command that started this supervisor and its engine (SLURM, torchrun)."""
+        slurm_job = os.environ.get("SLURM_JOB_ID")
+        slurm, torchrun = _env_count("SLURM_RESTART_COUNT"), _env_count("TORCHELASTIC_RESTART_COUNT")
+        self.emit("job_start", launch=slurm or torchrun or 0, ranks=self.ranks, pid=os.getpid(),
+                  command=list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]),
+                  host=socket.gethostname(), slurm_job_id=slurm_job, slurm_restart_count=(slurm or 0) if slurm_job
+                  else None, torchrun_restart_count=torchrun)
 
     def round_start(self, number: int, backoff: Optional[float]) -> None:
         if number > 0:

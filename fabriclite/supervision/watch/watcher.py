@@ -2,10 +2,10 @@
 
 A node's supervisor reads its ranks' progress records at most every ``progress_records.CHECK_EVERY_S``; each
 time, its loop (supervision/agent/supervisor.py, ``_observe``) hands the same :class:`RoundView` to every watcher
-in turn, in a fixed order (hangs, ranks up, stragglers), and handles the events they return the same way: an event
-is written to the events record (with its line printed on node 0's stderr where it has one), and one that ends the
-round (a hang) makes the supervisor take stacks, record the failure and stop the round. A watcher never prints,
-writes the record or stops ranks itself.
+in turn, in a fixed order (hangs, ranks up, stragglers, step rates), and handles the events they return the same
+way: an event is written to the events record (with its line printed on node 0's stderr where it has one), and one
+that ends the round (a hang) makes the supervisor take stacks, record the failure and stop the round. A watcher
+never prints, writes the record or stops ranks itself.
 """
 from __future__ import annotations
 

@@ -6,15 +6,18 @@ Each job's page is loaded in headless Chromium (Debian's ``chromium``): it loads
 error or a fetch the page's content security policy blocked would be one), and the rendered DOM (``--dump-dom``)
 holds one mark per failure, restart, checkpoint, preemption notice and hang event of the record, counted from the
 JSON lines themselves. ``--format perfetto`` gives events with ``name``, ``ph``, ``ts``, ``pid``, ``tid`` (and
-``dur`` for ``X``). Without Chromium the page tests skip, unless ``FABRICLITE_REQUIRE_CHROMIUM=1`` (``.ci/run``
-installs it and sets that) makes them fail."""
+``dur`` for ``X``). The record is schema 2's: the page shows the command and, from the ``steps`` events (every
+0.5 s here), each rank's steps per second. Without Chromium the page tests skip, unless
+``FABRICLITE_REQUIRE_CHROMIUM=1`` (``.ci/run`` installs it and sets that) makes them fail."""
 from __future__ import annotations
 
 import contextlib
+import html
 import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -49,7 +52,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     """The three jobs, run together; each one's folder (its events under ``events/``)."""
     tmp = tmp_path_factory.mktemp("report")
     folders = {name: tmp / name for name in ("crash", "preempt", "hang")}
-    common = {"FABRICLITE_RESTART_BACKOFF": "0.05", "STEPS": "12"}
+    common = {"FABRICLITE_RESTART_BACKOFF": "0.05", "STEPS": "12", "FABRICLITE_STEPS_EVERY": "0.5"}
     started = [
         Job("crash", _cli_run("--max-restarts", "1"), {**common, "KILL_AT": "7:1", "CKPT_DIR": str(
             folders["crash"] / "ckpt"), "OUT": str(folders["crash"] / "w.pt")}, timeout=JOB_TIMEOUT_S),
@@ -139,6 +142,11 @@ def test_the_page_of_a_real_job_loads_cleanly_with_one_mark_per_event(jobs, name
     found = re.findall(r'data-mark="(\w+)"', dom)
     assert {kind: found.count(kind) for kind in COUNTED} == expected
     assert f"report_{name}" in dom and "Goodput" in dom
+    # schema 2: the command, and each rank's steps per second (one bar per rank and steps event)
+    start = next(e for e in events if e["event"] == "job_start")
+    assert start["schema"] == "fabriclite.events/2" and html.escape(shlex.join(start["command"]), quote=False) in dom
+    rates = sum(len(e["per_second"]) for e in events if e["event"] == "steps")
+    assert dom.count('class="rate"') == rates and (rates > 0 or name == "hang"), events
     if name == "crash":
         assert "killed by SIGKILL" in dom  # the failure's cause
     if name == "hang":

@@ -81,7 +81,7 @@ def test_the_events_file_of_a_crash_and_restart_run(crash_and_restart) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     path = tmp / "fabriclite_logs" / "events-node0.jsonl"  # no --log-dir: under the working directory
     events = [json.loads(line) for line in path.read_text().splitlines()]  # docs/reliability.md's Python reader
-    assert {e["schema"] for e in events} == {"fabriclite.events/1"} and {e["run"] for e in events} == {"events_test"}
+    assert {e["schema"] for e in events} == {"fabriclite.events/2"} and {e["run"] for e in events} == {"events_test"}
     names = [e["event"] for e in events]
     expected = ["job_start", "round_start", "restore", "ranks_up", "checkpoint", "failure", "round_end", "restart",
                 "round_start", "restore", "ranks_up", "round_end", "job_end"]

@@ -3,6 +3,7 @@ measured from its own events across two launches of one run (a requeue)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -16,7 +17,7 @@ def test_events_append_one_json_line_each_with_schema_and_run(tmp_path, monkeypa
     events.EventLog(path, "run7", 1).emit("job_end", exit_code=0)  # a second writer appends
     lines = [json.loads(line) for line in open(path)]
     assert [(e["schema"], e["run"], e["node"], e["event"]) for e in lines] == [
-        ("fabriclite.events/1", "run7", 1, "job_start"), ("fabriclite.events/1", "run7", 1, "job_end")]
+        ("fabriclite.events/2", "run7", 1, "job_start"), ("fabriclite.events/2", "run7", 1, "job_end")]
     assert events.read(path, "other") == []
     monkeypatch.setenv("FABRICLITE_LOG_DIR", str(tmp_path / "d"))
     assert events.events_path(3) == str(tmp_path / "d" / "events-node3.jsonl")
@@ -80,3 +81,35 @@ def test_a_straggler_is_named_once_after_enough_windows_in_a_row(monkeypatch):
     monkeypatch.setenv("FABRICLITE_STRAGGLER_THRESHOLD", "-1")
     with pytest.raises(ValueError, match=r"\$FABRICLITE_STRAGGLER_THRESHOLD='-1' is not valid: expected a fraction"):
         StragglerWatch(0, 1, lambda rank: 0)
+
+
+def test_step_rates_give_each_ranks_steps_per_second_once_per_interval(monkeypatch):
+    from fabriclite.supervision.watch.step_rates import StepRates
+    from fabriclite.supervision.watch.watcher import RoundView
+
+    def view(steps0, steps1, first):
+        return RoundView({0: {"steps": steps0, "first_step_time": first},
+                          4: {"steps": steps1, "first_step_time": first}}, {})
+
+    watcher = StepRates(every_s=0.05)
+    watcher.start_round(2)
+    assert watcher.observe(view(0, 0, None)) == []  # within the interval
+    time.sleep(0.06)
+    assert watcher.observe(view(0, 0, None)) == []  # no rank stepped: nothing to draw
+    first = time.time()
+    time.sleep(0.1)
+    (event,) = watcher.observe(view(6, 3, first))
+    assert event.kind == "steps" and event.fields["round"] == 2 and event.fields["steps"] == {"0": 6, "4": 3}
+    # the first interval is measured from the first step, not from the round's start
+    assert 0.1 <= event.fields["seconds"] < 0.5, event.fields
+    rates = event.fields["per_second"]
+    assert rates["0"] == pytest.approx(6 / event.fields["seconds"], rel=0.01) and rates["0"] == pytest.approx(
+        2 * rates["4"], rel=0.01)
+    time.sleep(0.06)
+    (event,) = watcher.observe(view(8, 4, first))  # later intervals count only their own steps
+    assert event.fields["per_second"]["0"] == pytest.approx(2 / event.fields["seconds"], rel=0.01)
+    monkeypatch.setenv("FABRICLITE_STEPS_EVERY", "0")
+    assert StepRates().every_s == 0
+    monkeypatch.setenv("FABRICLITE_STEPS_EVERY", "soon")
+    with pytest.raises(ValueError, match=r"\$FABRICLITE_STEPS_EVERY='soon' is not valid: expected seconds"):
+        StepRates()
