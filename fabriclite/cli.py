@@ -1,7 +1,7 @@
 """``fabriclite run [options] SCRIPT [SCRIPT ARGS]``: start and supervise one node's ranks.
 ``fabriclite consolidate FOLDER [--output_file F]``: a sharded checkpoint as one file ``torch.load`` reads.
-``fabriclite report RUN_FOLDER_OR_EVENTS [--output F] [--format html|perfetto] [--run ID]``: a job's history as one
-self-contained HTML page, or as Chrome trace-event JSON for Perfetto (fabriclite/report/).
+``fabriclite report RUN_FOLDER_OR_EVENTS [--output F] [--format html|perfetto] [--run ID] [--beside TRACE]``: a
+job's history as one self-contained HTML page, or as Chrome trace-event JSON for Perfetto (fabriclite/report/).
 
 One call per node. The script's ``Fabric(...)`` joins the job; the flags fill what the code leaves
 unset, and a conflicting value in the code is a ValueError.
@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--output", "-o", default=None, help="default report.html (perfetto: trace.json)")
     report.add_argument("--format", choices=["html", "perfetto"], default="html")
     report.add_argument("--run", default=None, help="the run id to show (default: the latest run in the record)")
+    report.add_argument("--beside", default=None, metavar="TRACE",
+                        help="with --format perfetto: a torch profiler trace to merge the job's events into")
     return parser
 
 
@@ -328,11 +330,16 @@ def _report(args: argparse.Namespace) -> int:
     from fabriclite.report import html_page, job_history, perfetto_trace
 
     try:
+        if args.beside is not None and args.format != "perfetto":
+            raise UsageError(f"--beside {args.beside} needs --format perfetto (it merges into a trace).")
         history = job_history.load(args.sources, args.run)
+        beside = perfetto_trace.read_trace(args.beside) if args.beside is not None else None
     except (ValueError, OSError) as err:
         usage_error(args.command, str(err))
-    writer = perfetto_trace if args.format == "perfetto" else html_page
-    path = writer.write(history, args.output or ("trace.json" if args.format == "perfetto" else "report.html"))
+    if args.format == "perfetto":
+        path = perfetto_trace.write(history, args.output or "trace.json", beside)
+    else:
+        path = html_page.write(history, args.output or "report.html")
     print(f"fabriclite report: run {history.run}: {path}")
     return 0
 

@@ -1,7 +1,8 @@
 """A job's history (job_history.py) as Chrome trace-event JSON, which Perfetto and ``chrome://tracing`` open, so that
-a job's control events can sit beside a torch profiler trace (both use unix time in microseconds).
+a job's control events can sit beside a torch profiler trace. Times are unix microseconds; merged into a profiler
+trace (``--beside``), they move to that trace's time base.
 
-Each node is a process (``pid`` = node); its supervisor is thread 0 and global rank R is thread R + 1. Launches,
+Each node is a process (``pid`` = node, named "fabriclite node N"); its supervisor is thread 0 and global rank R is thread R + 1. Launches,
 rounds and their start-ups are complete (``X``) events on the supervisor's thread (nested), checkpoints and
 restores are ``X`` events on rank 0's, every other mark is an instant (``i``) event, on its rank's thread or, for
 the node as a whole, on the process; steps per second is a counter (``C``) per rank. Every event has ``name``,
@@ -10,6 +11,7 @@ events.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from typing import Any, Dict, List, Optional
@@ -39,7 +41,7 @@ def trace_events(history: JobHistory) -> List[Dict[str, Any]]:
                     "pid": pid, "tid": tid, "args": args})
 
     for node in history.nodes:
-        meta("process_name", node, SUPERVISOR_TID, name=f"node {node}")
+        meta("process_name", node, SUPERVISOR_TID, name=f"fabriclite node {node}")
         meta("process_sort_index", node, SUPERVISOR_TID, sort_index=node)
         meta("thread_name", node, SUPERVISOR_TID, name="supervisor")
         for rank in history.ranks.get(node, []):
@@ -69,17 +71,41 @@ def trace_events(history: JobHistory) -> List[Dict[str, Any]]:
     return out
 
 
-def trace(history: JobHistory) -> Dict[str, Any]:
-    """The whole trace document: ``traceEvents`` and what identifies the run."""
-    return {"traceEvents": trace_events(history), "displayTimeUnit": "ms",
-            "otherData": {"run": history.run, "command": history.command, "engine": history.engine,
-                          "schemas": history.schemas}}
+def trace(history: JobHistory, beside: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The whole trace document: ``traceEvents`` and what identifies the run. With ``beside`` (a torch profiler
+    trace, as ``prof.export_chrome_trace`` writes it), one document with that trace's events and ours, ours moved to
+    its time base: Kineto writes times relative to its ``baseTimeNanoseconds``."""
+    events = trace_events(history)
+    about = {"run": history.run, "command": history.command, "engine": history.engine, "schemas": history.schemas}
+    if beside is None:
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": about}
+    base_us = float(beside.get("baseTimeNanoseconds") or 0) / 1000
+    for e in events:
+        if e["ph"] != "M":
+            e["ts"] = round(e["ts"] - base_us, 1)
+    return {**beside, "traceEvents": [*beside["traceEvents"], *events],
+            "otherData": {**(beside.get("otherData") or {}), "fabriclite": about}}
 
 
-def write(history: JobHistory, path: str) -> str:
-    """Write the trace to ``path``; its absolute path."""
+def read_trace(path: str) -> Dict[str, Any]:
+    """A Chrome trace-event JSON document (``.json`` or ``.json.gz``), such as a torch profiler trace; ValueError
+    naming ``path`` when it cannot be read or holds no ``traceEvents`` list."""
+    try:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            document = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read the trace {path!r} ({err}); pass a torch profiler trace "
+                         "(prof.export_chrome_trace).") from None
+    if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
+        raise ValueError(f"{path!r} is not a Chrome trace-event document (no traceEvents list); pass a torch "
+                         "profiler trace (prof.export_chrome_trace).")
+    return document
+
+
+def write(history: JobHistory, path: str, beside: Optional[Dict[str, Any]] = None) -> str:
+    """Write the trace (merged with ``beside``, see :func:`trace`) to ``path``; its absolute path."""
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(trace(history), f, default=str)
+        json.dump(trace(history, beside), f, default=str)
     return path

@@ -1,10 +1,12 @@
 """fabriclite report in-process: reading records of schema 1 and 2 (job_history.py), the page's marks and its
-offline promise (html_page.py), the Perfetto trace's fields (perfetto_trace.py), and the CLI's error rule. The real
+offline promise (html_page.py), the Perfetto trace's fields and its merge into a real torch profiler trace
+(perfetto_trace.py), and the CLI's error rule. The real
 jobs, rendered in Chromium, are in tests/integration/report/test_job_report.py."""
 from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -199,3 +201,34 @@ def test_the_cli_writes_the_page_or_the_trace_and_bad_input_is_one_error_line(tm
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"fabriclite report: error: '{tmp_path / 'missing'}' does not exist; pass a run folder or "
                    "events-node<N>.jsonl files."]
+
+
+def test_beside_merges_the_job_into_a_real_torch_profiler_trace_on_its_time_base(tmp_path, capsys):
+    import torch
+    from torch.profiler import profile
+
+    records = v1_crash_and_restart(t0=time.time() - 60)  # a job whose last event (t0 + 60 s) is about now
+    write_lines(tmp_path / "events-node0.jsonl", records)
+    with profile() as prof:
+        torch.ones(64).sum()
+    prof.export_chrome_trace(str(tmp_path / "prof.json"))
+    profiler = json.loads((tmp_path / "prof.json").read_text())
+    assert cli.main(["report", str(tmp_path / "events-node0.jsonl"), "--format", "perfetto", "--beside",
+                     str(tmp_path / "prof.json"), "-o", str(tmp_path / "both.json")]) == 0
+    both = json.loads((tmp_path / "both.json").read_text())
+    theirs = len(profiler["traceEvents"])
+    assert both["traceEvents"][:theirs] == profiler["traceEvents"] and both["otherData"]["fabriclite"]["run"] == "r1"
+    launch = next(e for e in both["traceEvents"][theirs:] if e["name"] == "launch 0")
+    assert launch["ts"] == pytest.approx(records[0]["time"] * 1e6 - profiler["baseTimeNanoseconds"] / 1000, abs=1)
+    # on the profiler's time base, the profiled op (run just now) comes right after the job's end
+    op = max(e["ts"] for e in profiler["traceEvents"] if e.get("ph") == "X")
+    assert 0 < op - (launch["ts"] + launch["dur"]) < 120e6, (op, launch)
+    capsys.readouterr()
+    for flags in (["--beside", str(tmp_path / "prof.json")],  # html has nothing to merge into
+                  ["--format", "perfetto", "--beside", str(tmp_path / "events-node0.jsonl")]):  # not a trace
+        with pytest.raises(SystemExit) as ended:
+            cli.main(["report", str(tmp_path / "events-node0.jsonl"), *flags])
+        assert ended.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("fabriclite report: error: --beside") and "needs --format perfetto" in err[0]
+    assert "cannot read the trace" in err[1] and "export_chrome_trace" in err[1], err
