@@ -1,7 +1,7 @@
 """fabriclite report in-process: reading records of schema 1 and 2 (job_history.py), the page's marks and its
 offline promise (html_page.py), the Perfetto trace's fields and its merge into a real torch profiler trace
-(perfetto_trace.py), and the CLI's error rule. The real
-jobs, rendered in Chromium, are in tests/integration/report/test_job_report.py."""
+(perfetto_trace.py), and the CLI's error rule. The real jobs, rendered in Chromium, are in
+tests/integration/report/test_job_report.py."""
 from __future__ import annotations
 
 import json
