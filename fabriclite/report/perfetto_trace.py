@@ -5,9 +5,9 @@ trace (``--beside``), they move to that trace's time base.
 Each node is a process (``pid`` = node, named "fabriclite node N"); its supervisor is thread 0 and global rank R
 is thread R + 1. Launches, rounds and their start-ups are complete (``X``) events on the supervisor's thread
 (nested), checkpoints and restores are ``X`` events on rank 0's, every other mark is an instant (``i``) event, on
-its rank's thread or, for the node as a whole, on the process; steps per second is a counter (``C``) per rank. Every event has ``name``,
-``ph``, ``ts``, ``pid`` and ``tid``; ``X`` events also ``dur``; names of processes and threads are metadata (``M``)
-events.
+its rank's thread or, for the node as a whole, on the process; steps per second is a counter (``C``) per rank.
+Every event has ``name``, ``ph``, ``ts``, ``pid`` and ``tid``; ``X`` events also ``dur``; names of processes and
+threads are metadata (``M``) events.
 """
 from __future__ import annotations
 
