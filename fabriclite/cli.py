@@ -21,6 +21,7 @@ from fabriclite.accelerators import ACCELERATORS
 from fabriclite.environments.hostlist import first_host
 from fabriclite.environments.slurm import INTERACTIVE_JOB_NAMES, SLURMEnvironment, parse_signal
 from fabriclite.supervision.agent.output_forwarding import OutputOptions
+from fabriclite.supervision.watch.goodput import GOODPUT_MODES, goodput_from_env
 from fabriclite.supervision.agent.preemption import PreemptOptions, parse_grace
 from fabriclite.supervision.agent.restarts import MAX_RESTARTS_ENV, RestartPolicy, parse_max_restarts, parse_seconds
 from fabriclite.launchers.subprocess_script import run_supervised
@@ -50,7 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--precision", default=None)
     run.add_argument("--timeout", type=float, default=None, help="seconds for rendezvous and each collective (default $FABRICLITE_TIMEOUT or 1800)")
     run.add_argument("--rank-prefix", action="store_true", help="prefix every output line with [rank N]")
-    run.add_argument("--log-dir", default=None, help="also write each rank's output to LOG_DIR/rank_N.log")
+    run.add_argument("--log-dir", default=None, help="also write each rank's output to LOG_DIR/rank_N.log, and the "
+                     "events record there (default: the run's folder, $XDG_STATE_HOME/fabriclite/runs/<run id>/)")
+    run.add_argument("--goodput", choices=GOODPUT_MODES, default=None,
+                     help="when node 0 prints the goodput line: auto (default: after a failure, restart, preemption, "
+                          "hang or straggler, or a run over 10 minutes), always, never (or $FABRICLITE_GOODPUT)")
     run.add_argument("--max-restarts", "--max_restarts", default=None,
                      help="after a failure, start every rank again up to N times "
                           "(default $FABRICLITE_MAX_RESTARTS or 0)")
@@ -228,10 +233,11 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
 
 
 def _output_and_preempt(args: argparse.Namespace) -> Tuple[OutputOptions, PreemptOptions]:
-    """--rank-prefix / --log-dir (else the environment's) and the preemption options of ``fabriclite run``."""
+    """--rank-prefix / --log-dir / --goodput (else the environment's) and the preemption options of ``fabriclite run``."""
     output = OutputOptions(prefix=args.rank_prefix, log_dir=args.log_dir)
     if not (output.prefix or output.log_dir):
         output = OutputOptions.from_env()
+    output.goodput = args.goodput or goodput_from_env()
     preempt = PreemptOptions.from_env()
     if args.preempt_grace is not None:
         preempt.grace_s = parse_grace(args.preempt_grace, "--preempt-grace")

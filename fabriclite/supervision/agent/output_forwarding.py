@@ -23,25 +23,31 @@ import threading
 from dataclasses import dataclass, field
 from typing import IO, Any, Dict, List, Optional, Tuple
 
+from fabriclite.supervision.watch.events import LOG_DIR_ENV
+from fabriclite.supervision.watch.goodput import goodput_from_env
+
 PREFIX_ENV = "FABRICLITE_RANK_PREFIX"
-LOG_DIR_ENV = "FABRICLITE_LOG_DIR"
 _TRUE = ("1", "true", "yes", "on")
 
 
 @dataclass
 class OutputOptions:
-    """``prefix``: prefix each line with ``[rank N]``; ``log_dir``: also write ``rank_N.log`` there."""
+    """``prefix``: prefix each line with ``[rank N]``; ``log_dir``: also write ``rank_N.log`` there (and the events
+    record); ``goodput``: when node 0 prints the goodput line (``auto``, ``always``, ``never``: see
+    supervision/watch/goodput.py)."""
 
     prefix: bool = False
     log_dir: Optional[str] = None
+    goodput: str = "auto"
     _threads: List[threading.Thread] = field(default_factory=list, repr=False)
     _files: List[IO[str]] = field(default_factory=list, repr=False)
 
     @classmethod
     def from_env(cls) -> "OutputOptions":
-        """From $FABRICLITE_RANK_PREFIX (1/true/yes/on) and $FABRICLITE_LOG_DIR."""
+        """From $FABRICLITE_RANK_PREFIX (1/true/yes/on), $FABRICLITE_LOG_DIR and $FABRICLITE_GOODPUT (ValueError
+        naming a bad one)."""
         prefix = os.environ.get(PREFIX_ENV, "").lower() in _TRUE
-        return cls(prefix=prefix, log_dir=os.environ.get(LOG_DIR_ENV) or None)
+        return cls(prefix=prefix, log_dir=os.environ.get(LOG_DIR_ENV) or None, goodput=goodput_from_env())
 
     @property
     def captures(self) -> bool:

@@ -215,9 +215,10 @@ class Supervisor:
             self._stop_all()
             self.output.close()
             code, line = self.preemption.finish(code, self.layout.node_rank)
-            self.summary = "\n".join(s for s in (self.summary, line) if s)
+            self.summary = "\n".join(s for s in (self.summary, line, self._events_line(code)) if s)
             self._report(self.summary)
-            goodput = self.record.job_end(code, requeued=code == 0 and self.preemption.active)
+            goodput = self.record.job_end(code, requeued=code == 0 and self.preemption.active,
+                                          mode=self.output.goodput)
             if goodput and self.report:
                 print_summary(goodput)
             if self._lighthouse is not None:  # the other groups may still train: keep it up for them
@@ -269,6 +270,14 @@ class Supervisor:
         self.output.close()
         self.record.round_end(code, self.progress.read(list(self.ranks.workers)), self.up.first_step)
         return code
+
+    def _events_line(self, code: int) -> str:
+        """After a failed or stopped job: where its events record is (a run folder outside the working directory
+        unless --log-dir said otherwise), for ``fabriclite report``."""
+        folder = self.record.folder
+        if code == 0 or folder is None:
+            return ""
+        return f"fabriclite: this run's events are in {folder} (`fabriclite report {folder}` draws them)."
 
     def _report(self, text: str) -> None:
         if self.report and text:

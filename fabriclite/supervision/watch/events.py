@@ -2,8 +2,9 @@
 torchrun restarts, with the run's id on every line (docs/reliability.md, "Events and goodput").
 
 Where: ``<log dir>/events-node<N>.jsonl``, the log dir being ``fabriclite run --log-dir`` / ``$FABRICLITE_LOG_DIR``,
-else ``fabriclite_logs/`` in the working directory (as Lightning's ``lightning_logs/``). ``$FABRICLITE_EVENTS=0``
-turns it off.
+else the run's own folder outside the working directory (:func:`run_folder`:
+``$XDG_STATE_HOME/fabriclite/runs/<run id>/``, ``~/.local/state/...`` by default): nothing is written where the user
+did not point. ``$FABRICLITE_EVENTS=0`` turns it off.
 
 Schema (version :data:`SCHEMA`): every line is one JSON object with ``schema``, ``run`` (the run's id: the same
 across restarts and requeues), ``time`` (unix seconds), ``node``, ``event`` and the event's own fields:
@@ -36,8 +37,10 @@ across restarts and requeues), ``time`` (unix seconds), ``node``, ``event`` and 
 """
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import tempfile
 import time
 from typing import Any, Dict, Optional
 
@@ -45,7 +48,9 @@ SCHEMA = "fabriclite.events/2"
 EVENTS_ENV = "FABRICLITE_EVENTS"
 #: the file a supervisor's ranks append their own events to (checkpoints, restores)
 EVENTS_FILE_ENV = "FABRICLITE_EVENTS_FILE"
-DEFAULT_DIR = "fabriclite_logs"
+LOG_DIR_ENV = "FABRICLITE_LOG_DIR"
+#: the XDG base directory for state (logs, history) that the run folders live under
+STATE_HOME_ENV = "XDG_STATE_HOME"
 
 
 def enabled() -> bool:
@@ -53,9 +58,37 @@ def enabled() -> bool:
     return os.environ.get(EVENTS_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def events_path(node_rank: int, log_dir: Optional[str] = None) -> str:
-    """``<log dir>/events-node<N>.jsonl`` (see the module docstring)."""
-    directory = log_dir or os.environ.get("FABRICLITE_LOG_DIR") or DEFAULT_DIR
+def run_folder(run_id: str) -> str:
+    """Run ``run_id``'s folder when no log dir is given: ``$XDG_STATE_HOME/fabriclite/runs/<run id>/`` (an absolute
+    ``$XDG_STATE_HOME``, else ``~/.local/state``), created here; where that cannot be written, the same under
+    ``<tempdir>/fabriclite-<user>/runs/``."""
+    state = os.environ.get(STATE_HOME_ENV, "")
+    if not os.path.isabs(state):
+        state = os.path.join(os.path.expanduser("~"), ".local", "state")
+    roots = [os.path.join(state, "fabriclite", "runs"), os.path.join(tempfile.gettempdir(), f"fabriclite-{_user()}",
+                                                                         "runs")]
+    for root in roots:
+        folder = os.path.join(root, run_id)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(folder, os.W_OK | os.X_OK):
+            return folder
+    return folder
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+def events_path(node_rank: int, run_id: str, log_dir: Optional[str] = None) -> str:
+    """``<log dir>/events-node<N>.jsonl``: ``log_dir``, else ``$FABRICLITE_LOG_DIR``, else the run's folder
+    (:func:`run_folder`; see the module docstring)."""
+    directory = log_dir or os.environ.get(LOG_DIR_ENV) or run_folder(run_id)
     return os.path.join(directory, f"events-node{node_rank}.jsonl")
 
 
@@ -83,7 +116,7 @@ class EventLog:
 
 def for_supervisor(node_rank: int, run_id: str, log_dir: Optional[str]) -> Optional[EventLog]:
     """The node's log, or None when turned off."""
-    return EventLog(events_path(node_rank, log_dir), run_id, node_rank) if enabled() else None
+    return EventLog(events_path(node_rank, run_id, log_dir), run_id, node_rank) if enabled() else None
 
 
 _rank_log: Optional[EventLog] = None
@@ -92,7 +125,7 @@ _rank_opened = False
 
 def for_rank() -> Optional[EventLog]:
     """In a rank: the node's log its supervisor named (``$FABRICLITE_EVENTS_FILE``); under torchrun or srun without
-    a fabriclite supervisor, ``fabriclite_logs/events-node<N>.jsonl`` (``$FABRICLITE_LOG_DIR``); else (a single
+    a fabriclite supervisor, ``events-node<N>.jsonl`` in ``$FABRICLITE_LOG_DIR`` or the run's folder; else (a single
     process, ``mpirun``) or when off, None."""
     global _rank_log, _rank_opened
     if not _rank_opened:
@@ -103,8 +136,9 @@ def for_rank() -> Optional[EventLog]:
 
             node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", "0")))
                        or 0)
-            path = os.environ.get(EVENTS_FILE_ENV) or events_path(node)
-            _rank_log = EventLog(path, rendezvous.run_id(), node)
+            run_id = rendezvous.run_id()
+            path = os.environ.get(EVENTS_FILE_ENV) or events_path(node, run_id)
+            _rank_log = EventLog(path, run_id, node)
     return _rank_log
 
 

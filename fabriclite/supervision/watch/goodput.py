@@ -14,6 +14,10 @@ time); "other" is what no event explains (store opening, ranks' exits).
   the next round healed from a live peer (``restore`` from ``<live peer>``, ``--fault-tolerant``).
 - **checkpoint stalls**: the ``blocked`` time of every ``checkpoint``.
 - **preemption**: from a ``preemption_notice`` to the end of that round.
+
+When node 0 prints the line (``fabriclite run --goodput``, ``$FABRICLITE_GOODPUT``): ``auto`` (the default) when
+something cost the run time (a failure, restart, preemption, requeue, hang or straggler among its events) or it ran
+longer than LONG_RUN_S; ``always``; ``never``.
 """
 from __future__ import annotations
 
@@ -27,6 +31,12 @@ from typing import Any, Dict, List, Optional
 from fabriclite.supervision.watch import events as events_mod
 from fabriclite.supervision.watch.watcher import Event, RoundView
 
+GOODPUT_ENV = "FABRICLITE_GOODPUT"
+GOODPUT_MODES = ("auto", "always", "never")
+#: under ``auto``, a run this long (wall seconds over its launches) gets its line even when nothing went wrong
+LONG_RUN_S = 600.0
+#: under ``auto``, events that cost a run time: any of them gets the run its line
+COSTLY_EVENTS = ("failure", "restart", "preemption_notice", "requeue", "hang", "straggler")
 PARTS = ("startup", "restart", "redone", "checkpoint", "preemption")
 _LABELS = {"startup": "start-up", "restart": "restart", "redone": "redone steps", "checkpoint": "checkpoint stalls",
            "preemption": "preemption"}
@@ -51,6 +61,27 @@ class Goodput:
                                                                      if p == "redone" else "") for p in PARTS)
         return (f"fabriclite: goodput {share:.1f}% ({self.good:.1f} s of {self.wall:.1f} s in steps that counted); "
                 f"badput: {parts}, other {self.other:.1f} s" + (f" (events: {where})" if where else ""))
+
+
+def parse_goodput(value: Any, where: str) -> str:
+    """``value`` as one of GOODPUT_MODES; ValueError naming ``where`` and the choices otherwise."""
+    mode = str(value).strip().lower()
+    if mode not in GOODPUT_MODES:
+        raise ValueError(f"{where}={value!r}: expected one of {', '.join(GOODPUT_MODES)} (when to print the goodput "
+                         "line: auto prints it when something cost the run time or it ran over 10 minutes).")
+    return mode
+
+
+def goodput_from_env() -> str:
+    """``$FABRICLITE_GOODPUT`` (default ``auto``); ValueError naming a bad value."""
+    raw = os.environ.get(GOODPUT_ENV, "")
+    return parse_goodput(raw, f"${GOODPUT_ENV}") if raw.strip() else "auto"
+
+
+def worth_a_line(records: List[Dict[str, Any]], result: "Goodput") -> bool:
+    """Under ``auto``: whether the run's ``records`` show something that cost it time, or ``result`` a run longer
+    than LONG_RUN_S."""
+    return result.wall > LONG_RUN_S or any(e.get("event") in COSTLY_EVENTS for e in records)
 
 
 def measure(records: List[Dict[str, Any]]) -> Goodput:
@@ -219,15 +250,24 @@ class JobRecord:
     def preemption_notice(self, signum: int) -> None:
         self.emit("preemption_notice", signal=signum)
 
-    def job_end(self, exit_code: int, requeued: bool) -> Optional[str]:
-        """Write ``job_end``; on node 0, the goodput line over the run's events so far (None elsewhere)."""
+    def job_end(self, exit_code: int, requeued: bool, mode: str = "auto") -> Optional[str]:
+        """Write ``job_end``; on node 0, the goodput line over the run's events so far when ``mode`` says to print it
+        (see the module docstring; None elsewhere, or when not)."""
         if requeued:
             self.emit("requeue", exit_code=exit_code)
         self.emit("job_end", exit_code=exit_code)
         if self.log is None or self.node_rank != 0:
             return None
+        if mode == "never":
+            return None
         try:
             found = events_mod.read(self.log.path, self.log.run_id)
         except OSError:
             return None
-        return measure(found).line(self.log.path)
+        result = measure(found)
+        return result.line(self.log.path) if mode == "always" or worth_a_line(found, result) else None
+
+    @property
+    def folder(self) -> Optional[str]:
+        """The folder of this node's events record (None when the record is off)."""
+        return os.path.dirname(os.path.abspath(self.log.path)) if self.log is not None else None

@@ -69,7 +69,8 @@ def crash_and_restart(tmp_path_factory: pytest.TempPathFactory):
     script = tmp / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
     env = {"FABRICLITE_FIRST_RESTART_BACKOFF": str(BACKOFF_S), "REDONE": str(REDONE), "BLOCK_S": str(BLOCK_S),
-           "STEP_S": str(STEP_S), "CKPT": str(tmp / "ckpt"), "FABRICLITE_RUN_ID": "events_test"}
+           "STEP_S": str(STEP_S), "CKPT": str(tmp / "ckpt"), "FABRICLITE_RUN_ID": "events_test",
+           "XDG_STATE_HOME": str(tmp / "state")}
     done = subprocess.run([sys.executable, "-m", "fabriclite", "run", "--accelerator", "cpu", "--devices", "2",
                            "--strategy", "ddp", "--max-restarts", "1", str(script)], cwd=tmp, env=clean_env(env),
                           capture_output=True, text=True, timeout=300)
@@ -79,7 +80,8 @@ def crash_and_restart(tmp_path_factory: pytest.TempPathFactory):
 def test_the_events_file_of_a_crash_and_restart_run(crash_and_restart) -> None:
     tmp, done = crash_and_restart
     assert done.returncode == 0, done.stdout + done.stderr
-    path = tmp / "fabriclite_logs" / "events-node0.jsonl"  # no --log-dir: under the working directory
+    path = tmp / "state" / "fabriclite" / "runs" / "events_test" / "events-node0.jsonl"  # no --log-dir: the run's
+    assert not (tmp / "fabriclite_logs").exists()  # folder, not the working directory
     events = [json.loads(line) for line in path.read_text().splitlines()]  # docs/reliability.md's Python reader
     assert {e["schema"] for e in events} == {"fabriclite.events/2"} and {e["run"] for e in events} == {"events_test"}
     names = [e["event"] for e in events]

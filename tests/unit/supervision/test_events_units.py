@@ -3,6 +3,7 @@ measured from its own events across two launches of one run (a requeue)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -20,9 +21,23 @@ def test_events_append_one_json_line_each_with_schema_and_run(tmp_path, monkeypa
         ("fabriclite.events/2", "run7", 1, "job_start"), ("fabriclite.events/2", "run7", 1, "job_end")]
     assert events.read(path, "other") == []
     monkeypatch.setenv("FABRICLITE_LOG_DIR", str(tmp_path / "d"))
-    assert events.events_path(3) == str(tmp_path / "d" / "events-node3.jsonl")
+    assert events.events_path(3, "run7") == str(tmp_path / "d" / "events-node3.jsonl")
+    assert events.events_path(3, "run7", str(tmp_path / "e")) == str(tmp_path / "e" / "events-node3.jsonl")
     monkeypatch.delenv("FABRICLITE_LOG_DIR")
-    assert events.events_path(0) == "fabriclite_logs/events-node0.jsonl"
+    # no log dir: the run's folder under $XDG_STATE_HOME, never the working directory
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    assert events.events_path(0, "run7") == str(tmp_path / "state" / "fabriclite" / "runs" / "run7" / "events-node0.jsonl")
+    monkeypatch.setenv("XDG_STATE_HOME", "relative")  # not absolute: ignored, as the XDG spec says
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert events.run_folder("run7") == str(tmp_path / "home" / ".local" / "state" / "fabriclite" / "runs" / "run7")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o500)  # a state folder that cannot be written: a temporary one
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "ro"))
+    monkeypatch.setattr(events.tempfile, "tempdir", str(tmp_path / "tmp"))
+    if os.access(tmp_path / "ro", os.W_OK):  # root writes anywhere: the state folder is then fine
+        assert events.run_folder("run7") == str(tmp_path / "ro" / "fabriclite" / "runs" / "run7")
+    else:
+        assert events.run_folder("run7").startswith(str(tmp_path / "tmp" / "fabriclite-"))
     monkeypatch.setenv("FABRICLITE_EVENTS", "0")
     assert events.for_supervisor(0, "r", None) is None and goodput.JobRecord(0, "r", None, 2).rank_env() == {}
 
@@ -113,3 +128,28 @@ def test_step_rates_give_each_ranks_steps_per_second_once_per_interval(monkeypat
     monkeypatch.setenv("FABRICLITE_STEPS_EVERY", "soon")
     with pytest.raises(ValueError, match=r"\$FABRICLITE_STEPS_EVERY='soon' is not valid: expected seconds"):
         StepRates()
+def test_the_goodput_line_is_printed_when_something_cost_time_or_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("FABRICLITE_LOG_DIR", str(tmp_path))
+    runs = iter(range(100))
+
+    def job_end(kinds, mode, wall=3.0):
+        record = goodput.JobRecord(0, f"run{next(runs)}", None, 2)
+        started = time.time()
+        record.log.emit("job_start")
+        for kind in kinds:
+            record.log.emit(kind, round=0)
+        with monkeypatch.context() as patch:  # the job ends ``wall`` seconds after it started
+            patch.setattr(time, "time", lambda: started + wall)
+            return record.job_end(0, requeued=False, mode=mode)
+
+    assert job_end([], "auto") is None  # a short clean run: nothing to say
+    for kind in goodput.COSTLY_EVENTS:
+        assert job_end([kind], "auto").startswith("fabriclite: goodput"), kind
+    assert job_end(["failure"], "never") is None
+    assert job_end([], "always").startswith("fabriclite: goodput")
+    assert job_end([], "auto", wall=goodput.LONG_RUN_S + 60).startswith("fabriclite: goodput")  # a long run
+    monkeypatch.setenv("FABRICLITE_GOODPUT", "ALWAYS")
+    assert goodput.goodput_from_env() == "always"
+    monkeypatch.setenv("FABRICLITE_GOODPUT", "sometimes")
+    with pytest.raises(ValueError, match=r"\$FABRICLITE_GOODPUT='sometimes': expected one of auto, always, never"):
+        goodput.goodput_from_env()
