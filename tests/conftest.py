@@ -14,6 +14,19 @@ from helpers import CLUSTER_VARS  # noqa: E402
 from pool import RankPool  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Jobs started by the tests keep their run folders (the events record when no log dir is given:
+    ``$XDG_STATE_HOME/fabriclite/runs/``) in the session's temporary folder, not the user's ``~/.local/state``."""
+    before = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = before
+
+
 def _pool(world_size: int) -> Iterator[RankPool]:
     pool = RankPool(world_size)
     pool.start()

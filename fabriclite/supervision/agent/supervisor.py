@@ -272,10 +272,10 @@ class Supervisor:
         return code
 
     def _events_line(self, code: int) -> str:
-        """After a failed or stopped job: where its events record is (a run folder outside the working directory
+        """After a failed or preempted job: where its events record is (a run folder outside the working directory
         unless --log-dir said otherwise), for ``fabriclite report``."""
         folder = self.record.folder
-        if code == 0 or folder is None:
+        if code == 0 or folder is None or self._signal is not None:  # stopped by the user: nothing to say
             return ""
         return f"fabriclite: this run's events are in {folder} (`fabriclite report {folder}` draws them)."
 
