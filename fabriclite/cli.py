@@ -233,7 +233,8 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
 
 
 def _output_and_preempt(args: argparse.Namespace) -> Tuple[OutputOptions, PreemptOptions]:
-    """--rank-prefix / --log-dir / --goodput (else the environment's) and the preemption options of ``fabriclite run``."""
+    """--rank-prefix / --log-dir / --goodput (else the environment's) and the preemption options of
+    ``fabriclite run``."""
     output = OutputOptions(prefix=args.rank_prefix, log_dir=args.log_dir)
     if not (output.prefix or output.log_dir):
         output = OutputOptions.from_env()

@@ -26,7 +26,8 @@ def test_events_append_one_json_line_each_with_schema_and_run(tmp_path, monkeypa
     monkeypatch.delenv("FABRICLITE_LOG_DIR")
     # no log dir: the run's folder under $XDG_STATE_HOME, never the working directory
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    assert events.events_path(0, "run7") == str(tmp_path / "state" / "fabriclite" / "runs" / "run7" / "events-node0.jsonl")
+    runs = tmp_path / "state" / "fabriclite" / "runs"
+    assert events.events_path(0, "run7") == str(runs / "run7" / "events-node0.jsonl")
     monkeypatch.setenv("XDG_STATE_HOME", "relative")  # not absolute: ignored, as the XDG spec says
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert events.run_folder("run7") == str(tmp_path / "home" / ".local" / "state" / "fabriclite" / "runs" / "run7")
