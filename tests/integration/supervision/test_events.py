@@ -1,9 +1,9 @@
 """The events record and goodput (supervision/watch/events.py, supervision/watch/goodput.py) of a real
-crash-and-restart run: `fabriclite run --max-restarts 1` on 2 ranks, with known amounts injected: a backoff of BACKOFF_S, a checkpoint
-whose saving blocks the loop for at least BLOCK_S (a state object that sleeps in ``state_dict``), and rank 1
-killing itself REDONE steps after that checkpoint, so that the restart redoes them. The events file is parsed as
-docs/reliability.md shows, and each injected amount comes back as its part of the goodput line within a stated
-margin."""
+crash-and-restart run: `fabriclite run --max-restarts 1` on 2 ranks, with known amounts injected: a backoff of
+BACKOFF_S, a checkpoint whose saving blocks the loop for at least BLOCK_S (a state object that sleeps in
+``state_dict``), and rank 1 killing itself REDONE steps after that checkpoint, so that the restart redoes them. The
+events file is parsed as docs/reliability.md shows, and each injected amount comes back as its part of the goodput
+line within a stated margin."""
 from __future__ import annotations
 
 import json
