@@ -76,15 +76,18 @@ class Accounting:
     discarded: int
 
 
-def account(directory: str) -> Accounting:
-    """The samples consumed, epoch by epoch, over every attempt (see the module docstring)."""
+def account(directory: str, any_later: bool = False) -> Accounting:
+    """The samples consumed, epoch by epoch, over every attempt (see the module docstring). ``any_later``: cut a
+    failed attempt at the earliest step *any* later attempt resumed from, not only the next one (a later attempt
+    may resume from an older checkpoint than the one before it, when the newer one turned out damaged)."""
     attempts = read_attempts(directory)
     assert attempts, f"no attempt recorded in {directory}"
     epochs: Dict[int, Counter[int]] = collections.defaultdict(collections.Counter)
     sequences: Dict[Tuple[str, int], Dict[int, List[int]]] = {}
     discarded = 0
     for number, attempt in enumerate(attempts):
-        cutoff: Optional[int] = attempts[number + 1].resumed_step if number + 1 < len(attempts) else None
+        later = [a.resumed_step for a in attempts[number + 1:][:None if any_later else 1]]
+        cutoff: Optional[int] = min(later) if later else None
         for rank, records in sorted(attempt.records.items()):
             per_epoch: Dict[int, List[int]] = collections.defaultdict(list)
             for epoch, step, index in records:
