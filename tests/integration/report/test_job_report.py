@@ -49,7 +49,8 @@ def _cli_run(*flags: str) -> List[str]:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
-    """The three jobs, run together; each one's folder (its events under ``events/``)."""
+    """The three jobs, run together; each one's run folder (no --log-dir: ``$XDG_STATE_HOME/fabriclite/runs/<run
+    id>/``, as the summary of a failed or preempted job names it)."""
     tmp = tmp_path_factory.mktemp("report")
     folders = {name: tmp / name for name in ("crash", "preempt", "hang")}
     common = {"FABRICLITE_RESTART_BACKOFF": "0.05", "STEPS": "12", "FABRICLITE_STEPS_EVERY": "0.5"}
@@ -68,7 +69,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     began = time.time()
     try:
         for job in started:
-            job.env.update({"FABRICLITE_LOG_DIR": str(folders[job.name] / "events"),
+            job.env.update({"XDG_STATE_HOME": str(folders[job.name] / "state"),
                             "FABRICLITE_RUN_ID": f"report_{job.name}"})
             job.start()
         signalled = False
@@ -88,12 +89,15 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     assert codes["crash"] == 0, started[0].output
     assert codes["preempt"] == 75, started[1].output
     assert codes["hang"] not in (0, None), started[2].output
-    return folders
+    runs = {name: folders[name] / "state" / "fabriclite" / "runs" / f"report_{name}" for name in folders}
+    named = re.search(r"this run's events are in (\S+) ", "".join(started[2].err))  # the failed job says where
+    assert named and Path(named.group(1)) == runs["hang"], started[2].output
+    return runs
 
 
 def record(folder: Path) -> List[dict]:
     """The job's events, read as docs/reliability.md shows (independently of fabriclite.report)."""
-    return [json.loads(line) for path in sorted((folder / "events").glob("events-node*.jsonl"))
+    return [json.loads(line) for path in sorted(folder.glob("events-node*.jsonl"))
             for line in path.read_text().splitlines()]
 
 
@@ -101,7 +105,7 @@ def report(folder: Path, *flags: str) -> str:
     """``fabriclite report`` of the job's events folder (the CLI's ``main``, in this process); what it printed."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert cli.main(["report", str(folder / "events"), *flags]) == 0
+        assert cli.main(["report", str(folder), *flags]) == 0
     return out.getvalue()
 
 
