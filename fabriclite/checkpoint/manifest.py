@@ -186,17 +186,24 @@ def entries(directory: str) -> List[Dict[str, Any]]:
 
 
 def on_rank_zero(strategy: Any, fn: Callable[[], Any]) -> Any:
-    """``fn()`` run on global rank 0, its result broadcast to every rank; a ValueError it raises is raised on
-    every rank (the same message)."""
+    """``fn()`` run on global rank 0, its result broadcast to every rank; a ValueError or an OSError it raises (a
+    manifest not in this format; a directory that cannot be written) is raised on every rank: the original on rank
+    0, one of the same type with the same message elsewhere (no rank is left waiting)."""
     answer: Any = None
+    failure: Optional[BaseException] = None
     if strategy.is_global_zero:
         try:
             answer = ("ok", fn())
-        except ValueError as err:
-            answer = ("error", str(err))
+        except (ValueError, OSError) as err:
+            failure = err
+            answer = ("OSError" if isinstance(err, OSError) else "ValueError", str(err))
     if strategy.world_size > 1:
         answer = collectives.broadcast(strategy, answer, src=0)
-    if answer[0] == "error":
+    if failure is not None:
+        raise failure
+    if answer[0] == "OSError":
+        raise OSError(answer[1])
+    if answer[0] == "ValueError":
         raise ValueError(answer[1])
     return answer[1]
 
