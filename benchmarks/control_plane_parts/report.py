@@ -1,0 +1,156 @@
+"""The results file (benchmarks/results/control_plane.md): one table per figure, N across, both sides; the goals
+as checked / unchecked lines; and the plot of each time against N."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from common import Results, table
+
+CAP = "> cap"
+TIMES = (("rendezvous_s", "rendezvous (every rank / agent has met)"),
+         ("failure_stop_s", "one rank fails -> every node has stopped its ranks"),
+         ("next_round_s", "one rank fails -> every node has agreed and starts the next round"),
+         ("preempt_s", "one node preempted -> every node has agreed to stop"))
+
+
+def _get(run: Optional[Dict[str, Any]], path: str) -> Any:
+    value: Any = run
+    for part in path.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
+def _cell(run: Optional[Dict[str, Any]], path: str, fmt: str, reached: bool = True) -> str:
+    if run is None:
+        return "not run"
+    value = _get(run, path)
+    if value is None:
+        return CAP if reached else "n/a"
+    return fmt.format(value)
+
+
+def _runs(runs: List[Dict[str, Any]]) -> Tuple[List[int], Dict[Tuple[str, int], Dict[str, Any]]]:
+    nodes = sorted({r["nodes"] for r in runs})
+    return nodes, {(r["side"], r["nodes"]): r for r in runs}
+
+
+def goals(runs: List[Dict[str, Any]], args: Any) -> List[str]:
+    nodes, by = _runs(runs)
+    fab = [by[("fabriclite", n)] for n in nodes if ("fabriclite", n) in by]
+    big = by.get(("fabriclite", 4096))
+    anchor = by.get(("torchelastic", 4096))
+    lines = []
+
+    def line(ok: bool, text: str) -> None:
+        lines.append(f"- [{'x' if ok else ' '}] {text}")
+
+    growth = [(r["nodes"], _get(r, "memory.keys_growth_per_1000"), _get(r, "memory.rss_growth_mb_per_1000"))
+              for r in fab]
+    flat = bool(growth) and all(k is not None and k <= 0 and m is not None and m < 1.0 for _, k, m in growth)
+    line(flat, "Nothing at the store grows with the number of steps: keys and memory flat after warm-up (keys "
+               "per 1,000 steps after step 2,000: " + ", ".join(f"{n}: {k if k is None else f'{k:+.0f}'}"
+                                                                 for n, k, _ in growth) +
+         "; store MB per 1,000 steps: " + ", ".join(f"{n}: {m if m is None else f'{m:+.2f}'}" for n, _, m in growth)
+         + ")")
+    cpu = [(r["nodes"], _get(r, f"steady_{args.rates[-1]:g}.node0_cpu_s_per_s")) for r in fab]
+    linear = len(cpu) >= 2 and all(c is not None for _, c in cpu) and \
+        cpu[-1][1] <= max(cpu[0][1], 1e-3) * (cpu[-1][0] / cpu[0][0]) * 1.5
+    line(linear, "No per-poll or per-window work is O(N) per node; node 0's work grows at most linearly in N "
+                 "(node 0's CPU s/s at " + f"{args.rates[-1]:g} steps/s: " +
+         ", ".join(f"{n}: {c if c is None else f'{c:.3f}'}" for n, c in cpu) + ")")
+    stop, agree = _get(big, "failure_stop_s"), _get(big, "next_round_s")
+    line(stop is not None and stop <= 2.0, f"At 4,096 nodes: failure -> every node stopped <= 2 s "
+                                           f"(measured: {CAP if stop is None else f'{stop:.2f} s'})")
+    line(agree is not None and agree <= 5.0, f"At 4,096 nodes: the next round agreed <= 5 s "
+                                             f"(measured: {CAP if agree is None else f'{agree:.2f} s'})")
+    ours, theirs = _get(big, "rendezvous_s"), _get(anchor, "rendezvous_s")
+    faster = ours is not None and (theirs is None or ours <= theirs)
+    line(faster, "Rendezvous at 4,096 nodes no slower than torchelastic's on the same machine (fabriclite "
+                 f"{CAP if ours is None else f'{ours:.2f} s'}, torchelastic {CAP if theirs is None else f'{theirs:.2f} s'})")
+    per_node = [(r["nodes"], rate, _get(r, f"steady_{rate:g}.per_node_s")) for r in fab for rate in args.rates]
+    ok = bool(per_node) and all(p is not None and p <= 1.0 for _, _, p in per_node)
+    line(ok, "Steady-state traffic <= 1 request per node per second (supervisor and 8 ranks together; " +
+         ", ".join(f"{n} nodes at {rate:g} steps/s: {p if p is None else f'{p:.2f}'}" for n, rate, p in per_node)
+         + ")")
+    return lines
+
+
+def write(results: Results, args: Any, runs: List[Dict[str, Any]]) -> None:
+    nodes, by = _runs(runs)
+    sides = args.side_list
+    folded = [f"{n} nodes: {by[('fabriclite', n)]['rank_conns']} per node" for n in nodes
+              if ("fabriclite", n) in by and by[("fabriclite", n)]["rank_conns"] < args.ranks_per_node]
+    header = results.header([
+        ("model", f"{args.ranks_per_node} ranks per node; steady state {args.steady_s:g} s at each of "
+                  f"{', '.join(f'{r:g}' for r in args.rates)} steps/s; memory after {args.memory_steps} steps at "
+                  f"{args.memory_rate:g} steps/s; straggler window {args.window}; a rank_zero_first block every "
+                  f"{args.zero_first_every} steps; cap {args.cap:g} s per N and side; {args.processes} worker "
+                  f"processes x {args.threads} threads"),
+        ("rank connections", "each rank its own" + (f", except (folded, same request rate): {'; '.join(folded)}"
+                                                     if folded else " at every N")),
+    ])
+    head = ["figure"] + [f"{n} nodes" for n in nodes]
+    rows = []
+    for key, label in TIMES:
+        for side in sides:
+            if side == "torchelastic" and key == "preempt_s":
+                rows.append([f"{label}, {side}"] + ["n/a (no such agreement)" for _ in nodes])
+                continue
+            rows.append([f"{label}, {side} (s)"] + [_cell(by.get((side, n)), key, "{:.2f}") for n in nodes])
+    for rate in args.rates:
+        for side in sides:
+            rows.append([f"steady state at {rate:g} steps/s: requests/s at the store, {side}"] +
+                        [_cell(by.get((side, n)), f"steady_{rate:g}.requests_s", "{:.0f}") for n in nodes])
+            rows.append([f"... per node per second, {side}"] +
+                        [_cell(by.get((side, n)), f"steady_{rate:g}.per_node_s", "{:.2f}") for n in nodes])
+            rows.append([f"... node 0's CPU s per s, {side}"] +
+                        [_cell(by.get((side, n)), f"steady_{rate:g}.node0_cpu_s_per_s", "{:.3f}") for n in nodes])
+    for side in sides:
+        rows.append([f"store memory after {args.memory_steps} steps (MB), {side}"] +
+                    [_cell(by.get((side, n)), "memory.rss_mb", "{:.1f}") for n in nodes])
+        rows.append([f"... growth per 1,000 steps after step 2,000 (MB), {side}"] +
+                    [_cell(by.get((side, n)), "memory.rss_growth_mb_per_1000", "{:+.2f}") for n in nodes])
+        rows.append([f"store keys after {args.memory_steps} steps, {side}"] +
+                    [_cell(by.get((side, n)), "memory.keys", "{:d}") for n in nodes])
+        rows.append([f"... growth per 1,000 steps after step 2,000, {side}"] +
+                    [_cell(by.get((side, n)), "memory.keys_growth_per_1000", "{:+.0f}") for n in nodes])
+    for side in sides:
+        rows.append([f"the model's worst lag (a task started late by, s), {side}"] +
+                     [_cell(by.get((side, n)), "rendezvous_lag_max_s", "{:.2f}") for n in nodes])
+    notes = [f"- {r['side']} at {r['nodes']} nodes: {note}" for r in runs for note in r.get("notes", [])]
+    body = "\n\n".join([header, "## Goals", "\n".join(goals(runs, args)), "## Figures", table(head, rows)] +
+                       (["## Notes", "\n".join(notes)] if notes else []))
+    with open(args.results, "w") as f:
+        f.write(body + "\n")
+    print(f"wrote {args.results}")
+    if args.plot:
+        plot(args.plot, runs, sides)
+
+
+def plot(path: str, runs: List[Dict[str, Any]], sides: List[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nodes, by = _runs(runs)
+    fig, axes = plt.subplots(1, len(TIMES), figsize=(4 * len(TIMES), 3.6))
+    for ax, (key, label) in zip(axes, TIMES):
+        for side, style in zip(sides, ("o-", "s--")):
+            xs = [n for n in nodes if _get(by.get((side, n)), key) is not None]
+            ax.plot(xs, [_get(by[(side, n)], key) for n in xs], style, label=side)
+            capped = [n for n in nodes if (side, n) in by and _get(by[(side, n)], key) is None
+                      and not (side == "torchelastic" and key == "preempt_s")]
+            if capped:
+                ax.plot(capped, [600] * len(capped), "x", color="red", label=f"{side}: > cap")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("simulated nodes")
+        ax.set_ylabel("seconds")
+        ax.set_title(label, fontsize=8)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")

@@ -1,0 +1,105 @@
+"""The store in a process of its own, hosted as node 0's supervisor hosts it (fabriclite's ``host_store``: torch's
+libuv TCPStore), so that its memory and its request count are its own: requests are counted as the read calls
+its process makes (``/proc/<pid>/io`` syscr: the libuv server reads each request of a synchronous client in one
+call), checked against a known count at start (:meth:`StoreHost.calibrate`)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Dict
+
+_SERVE = """
+import sys, time
+from datetime import timedelta
+from fabriclite.distributed import rendezvous
+store = rendezvous.host_store("127.0.0.1", 0, timedelta(seconds=600))
+print(store.port, flush=True)
+sys.stdin.read()  # until the parent closes the pipe
+"""
+
+
+class StoreHost:
+    """``with StoreHost() as host``: ``host.port``, ``host.client()``, ``host.rss_mb()``, ``host.reads()``."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line.strip():
+            raise RuntimeError("the store process did not start")
+        self.port = int(line)
+        self._client: Any = None
+        self.reads_per_request = 1.0
+
+    def __enter__(self) -> "StoreHost":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def client(self) -> Any:
+        """A new client connection (torch's TCPStore)."""
+        from torch.distributed import TCPStore
+
+        return TCPStore("127.0.0.1", self.port, None, False, timedelta(seconds=600))
+
+    @property
+    def probe(self) -> Any:
+        """The controller's own connection (for num_keys)."""
+        if self._client is None:
+            self._client = self.client()
+        return self._client
+
+    def rss_mb(self) -> float:
+        """The store process's resident memory, MB."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def cpu_s(self) -> float:
+        """The store process's CPU time so far (user + system), seconds."""
+        fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def reads(self) -> int:
+        """Read calls the store process has made (see the module docstring)."""
+        with open(f"/proc/{self.proc.pid}/io") as f:
+            values: Dict[str, int] = dict((k, int(v)) for k, v in (line.split(":") for line in f))
+        return values["syscr"]
+
+    def requests(self) -> float:
+        """Requests the store has served so far, estimated from its read calls."""
+        return self.reads() / self.reads_per_request
+
+    def calibrate(self, count: int = 4000) -> float:
+        """Send ``count`` requests of each kind the models use on one connection; the store's read calls per
+        request (1.0 expected), kept to scale :meth:`requests`."""
+        probe = self.probe
+        before = self.reads()
+        for i in range(count // 4):
+            probe.add("calibrate/counter", 1)
+            probe.set("calibrate/key", "x" * 64)
+            probe.check(["calibrate/key"])
+            probe.get("calibrate/key")
+        time.sleep(0.2)
+        self.reads_per_request = (self.reads() - before) / (4 * (count // 4))
+        probe.delete_key("calibrate/counter")
+        probe.delete_key("calibrate/key")
+        return self.reads_per_request
+
+    def num_keys(self) -> int:
+        return int(self.probe.num_keys())
