@@ -239,7 +239,7 @@ def _timeline(history: JobHistory) -> str:
                          f'stroke="#eef0f2"/>')
             parts.append(f'<text class="rank-label" x="22" y="{y0 + h / 2 + 4:.1f}">rank {rank}</text>')
     span = history.end - history.start
-    axis = [f'<g class="axis">']
+    axis = ['<g class="axis">']
     for offset in _ticks(span):
         px = x(history.start + offset)
         axis.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{AXIS_H - 6}" y2="{height - 6:.1f}"/>'
