@@ -217,11 +217,15 @@ def build(records: List[Dict[str, Any]], run: str) -> JobHistory:
     nodes = sorted({int(e.get("node", 0)) for e in events})
     history.nodes = nodes
     positions = {id(e): i for i, e in enumerate(events)}
+    saving = ("checkpoint", "restore")
     for node in nodes:
-        _node_history(history, node, [e for e in events if int(e.get("node", 0)) == node], positions)
-        # checkpoints and restores are global rank 0's, in its node's file, but they hold every node's loop
-        shared = [e for e in events if e["event"] in ("checkpoint", "restore") or int(e.get("node", 0)) == node]
-        history.goodput[node] = measure(_closed(shared))
+        own = [e for e in events if int(e.get("node", 0)) == node]
+        _node_history(history, node, own, positions)
+        # checkpoints and restores are global rank 0's, in its node's file, but they hold every node's loop; under
+        # --fault-tolerant each node (a replica group) has its own, and takes no other's
+        if not any(e["event"] in saving for e in own):
+            own = [e for e in events if e["event"] in saving or int(e.get("node", 0)) == node]
+        history.goodput[node] = measure(_closed(own))
     history.marks.sort(key=lambda m: (m.time, m.index))
     history.launches.sort(key=lambda l: (l.start, l.node))
     history.rounds.sort(key=lambda r: (r.start, r.node))

@@ -232,3 +232,11 @@ def test_beside_merges_the_job_into_a_real_torch_profiler_trace_on_its_time_base
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("fabriclite report: error: --beside") and "needs --format perfetto" in err[0]
     assert "cannot read the trace" in err[1] and "export_chrome_trace" in err[1], err
+
+
+def test_under_fault_tolerant_each_node_counts_only_its_own_checkpoints():
+    """Each node is a replica group whose rank 0 writes its own checkpoint events: none is counted twice."""
+    records = [dict(r, node=node) for node in (0, 1) for r in v1_crash_and_restart()]
+    history = job_history.build(records, "r1")
+    single = goodput.measure(v1_crash_and_restart())
+    assert history.goodput[0] == history.goodput[1] == single and history.count("checkpoint") == 2
