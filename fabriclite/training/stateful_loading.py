@@ -118,15 +118,42 @@ def snapshot_loader(loader: DataLoader, source: Any, resume: Optional[Dict[int, 
     return tagged
 
 
-def resumed_copy(tagged: DataLoader, resume: Dict[int, Any]) -> DataLoader:
+def resumed_copy(tagged: DataLoader, resume: Dict[int, Any], first_worker: int = 0) -> DataLoader:
     """A copy of the tagged loader ``tagged`` (:func:`snapshot_loader`) whose workers start from ``resume`` (worker ->
-    state); its workers are its own, so the original's persistent workers never see the state."""
+    state); its workers are its own, so the original's persistent workers never see the state. Its first batch is
+    asked of worker ``first_worker`` (the one an uninterrupted run would have asked next: the batches come in the
+    same order as they would have)."""
     stream = tagged.dataset
     assert isinstance(stream, SnapshotStream)
     resumed = copy.copy(tagged)
     resumed._iterator = None  # type: ignore[attr-defined]
     object.__setattr__(resumed, "dataset", SnapshotStream(stream.source, stream.per_batch, dict(resume)))
+    if first_worker % max(1, tagged.num_workers):
+        object.__setattr__(resumed, "_get_iterator", lambda: _rotated_iterator(resumed, first_worker))
     return resumed
+
+
+def _rotated_iterator(loader: DataLoader, first_worker: int) -> Any:
+    """torch's multi-worker iterator over ``loader``, its round robin over the workers starting at ``first_worker``
+    (torch starts every epoch at worker 0: it keeps the cycle in ``_worker_queue_idx_cycle``, set in ``_reset`` before
+    the first indices are sent)."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    class Rotated(_MultiProcessingDataLoaderIter):
+        @property  # type: ignore[override]
+        def _worker_queue_idx_cycle(self) -> Any:
+            return self.__dict__["_fabriclite_cycle"]
+
+        @_worker_queue_idx_cycle.setter
+        def _worker_queue_idx_cycle(self, cycle: Any) -> None:
+            for _ in range(self.__dict__.pop("_fabriclite_rotate", 0)):
+                next(cycle)
+            self.__dict__["_fabriclite_cycle"] = cycle
+
+    iterator = Rotated.__new__(Rotated)
+    iterator.__dict__["_fabriclite_rotate"] = first_worker
+    iterator.__init__(loader)  # type: ignore[misc]
+    return iterator
 
 
 class Consumed:
@@ -147,6 +174,12 @@ class Consumed:
         return {"workers": {w: dict(t) for w, t in sorted(self.tags.items())}, "last_worker": self.last_worker}
 
 
+def next_worker(rank_state: Optional[Dict[str, Any]], num_workers: int) -> int:
+    """The worker an uninterrupted run would have asked for the next batch, after a rank's recorded state."""
+    last = (rank_state or {}).get("last_worker")
+    return 0 if last is None or num_workers < 2 else (int(last) + 1) % num_workers
+
+
 def worker_states(rank_state: Optional[Dict[str, Any]]) -> Dict[int, Any]:
     """worker -> the state it resumes from, out of a rank's recorded :meth:`Consumed.state`."""
     if not rank_state:
@@ -164,4 +197,4 @@ def all_ended(rank_states: List[Optional[Dict[str, Any]]], num_workers: int) -> 
 
 
 __all__ = ["Consumed", "DatasetSource", "SnapshotStream", "Tagged", "TaggedCollate", "all_ended", "resumed_copy",
-           "snapshot_loader", "worker_states"]
+           "next_worker", "snapshot_loader", "worker_states"]

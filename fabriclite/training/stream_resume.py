@@ -100,7 +100,9 @@ class Streams:
         if how == "states":
             mine = ranks[self.rank]
             self._pending = {"how": "states", "tags": mine.get("workers", {}), "plans": mine.get("plans"),
-                             "batch": batch, "dealt": bool(mine.get("dealt"))}
+                             "batch": batch, "dealt": bool(mine.get("dealt")),
+                             "first_worker": stateful_loading.next_worker(mine, self.num_workers),
+                             "last_worker": mine.get("last_worker")}
             return 0
         where = f"The loader's position, batch {batch} of epoch {epoch}"
         rest = shard_dealing.rest(ranks, where)
@@ -159,12 +161,15 @@ class Streams:
             plans = {int(w): p for w, p in pending["plans"].items()} if pending["plans"] is not None else None
             tagged = stateful_loading.snapshot_loader(self.loader, self._source(plans))
             start = pending["tags"]
-            loader = stateful_loading.resumed_copy(tagged, stateful_loading.worker_states({"workers": start}))
+            loader = stateful_loading.resumed_copy(tagged, stateful_loading.worker_states({"workers": start}),
+                                                   pending["first_worker"])
             self._plans = plans if plans is not None else self._plain_plans()
         else:  # deal
             self._plans = {int(w): p for w, p in pending["plans"].items()}
             loader, start = stateful_loading.snapshot_loader(self.loader, self._source(self._plans)), None
         self._consumed = stateful_loading.Consumed(start)
+        if pending is not None and pending.get("last_worker") is not None:
+            self._consumed.last_worker = int(pending["last_worker"])
         self._dealt = pending is not None and bool(pending.get("dealt"))
         if self._dealt:
             yield from self._lockstep(loader)

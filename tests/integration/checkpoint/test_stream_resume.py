@@ -171,3 +171,17 @@ def test_second_resume_continues(request: Any, pool2: Any, tmp_path: Any, kind: 
     accounting = account(directory)
     check_epochs(accounting, LENGTH, EPOCHS, {0: padding_of(accounting, "a1", 0) + padding_of(accounting, "a2", 0),
                                               1: []})
+
+
+@pytest.mark.parametrize("kind", ["stateful", "hf"])
+def test_same_size_resume_keeps_the_order(pool2: Any, tmp_path: Any, kind: str) -> None:
+    """Saved after 5 batches (worker 0's turn came 3 times, worker 1's twice), the resumed run asks worker 1 first, as
+    an uninterrupted run would: every rank's batches come in the uninterrupted order."""
+    reference, directory = str(tmp_path / "reference"), str(tmp_path / "resumed")
+    attempt(pool2, kind, reference, "a0")
+    run_pair(pool2, pool2, kind, directory, save_at=5, stop_at=7)
+    whole, parts = account(reference).sequences, account(directory).sequences
+    for rank in range(2):
+        for epoch in range(EPOCHS):
+            resumed = parts[("a0", rank)].get(epoch, []) + parts[("a1", rank)].get(epoch, [])
+            assert resumed == whole[("a0", rank)][epoch], (rank, epoch)
