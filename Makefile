@@ -50,6 +50,7 @@ bench: venv
 	$(PY) benchmarks/collective_watch.py
 	$(PY) benchmarks/step_timing.py
 	$(PY) benchmarks/fault_tolerance.py
+	$(PY) benchmarks/data_resume.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

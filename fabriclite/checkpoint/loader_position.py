@@ -55,13 +55,13 @@ def iterate_from(loader: DataLoader, skip: int, resumed: bool = False) -> Iterat
     """An iterator over ``loader``'s batches from batch ``skip`` on (see the module docstring); ``resumed``: the
     epoch is a resumed one even at batch 0 (a dealing of an epoch's rest), so the generator is not drawn from."""
     if skip <= 0:
-        return _quiet_iter(loader) if resumed else iter(loader)
+        return quiet_iter(loader) if resumed else iter(loader)
     if isinstance(loader.dataset, IterableDataset):
         warnings.warn(f"Resuming a stream (an IterableDataset without state_dict / load_state_dict) mid-epoch by "
                       f"replay: its first {skip} batches of this epoch are replayed (loaded again and discarded), a "
                       "wait that grows with the position. Give the dataset state_dict() and load_state_dict() to "
                       "resume it from its own state.", stacklevel=3)
-        iterator = _quiet_iter(loader)
+        iterator = quiet_iter(loader)
         for _ in range(skip):
             if next(iterator, _END) is _END:
                 break
@@ -70,13 +70,13 @@ def iterate_from(loader: DataLoader, skip: int, resumed: bool = False) -> Iterat
     resumed._iterator = None  # type: ignore[attr-defined] # never share persistent workers with the original
     name = "batch_sampler" if loader.batch_sampler is not None else "sampler"
     object.__setattr__(resumed, name, SkipFirst(getattr(loader, name), skip))
-    return _quiet_iter(resumed)
+    return quiet_iter(resumed)
 
 
 _END = object()
 
 
-def _quiet_iter(loader: DataLoader) -> Iterator[Any]:
+def quiet_iter(loader: DataLoader) -> Iterator[Any]:
     """``iter(loader)`` without advancing torch's generator (the iterator's seed is drawn from a copy)."""
     state = torch.get_rng_state()
     try:

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from fabriclite.checkpoint import elastic, stream_position
+from fabriclite.checkpoint import elastic, loader_position, stream_position
 from fabriclite.training import shard_dealing, stateful_loading
 
 _END = object()
@@ -107,7 +107,7 @@ class Streams:
         where = f"The loader's position, batch {batch} of epoch {epoch}"
         rest = shard_dealing.rest(ranks, where)
         plans = shard_dealing.deal(rest, self.world_size, self.num_workers)
-        self._pending = {"how": "deal", "plans": plans[self.rank], "batch": 0, "dealt": True}
+        self._pending = {"how": "deal", "plans": plans[self.rank], "batch": 0, "dealt": True, "rest": rest}
         started = sum(1 for entry in rest if entry[1])
         elastic.note(f"the stream's position was saved by {stream_position.sizes(int(state['world_size']), int(state.get('num_workers', 0)))} "
                      f"and this run has {stream_position.sizes(self.world_size, self.num_workers)}: epoch {epoch} "
@@ -171,20 +171,27 @@ class Streams:
         if pending is not None and pending.get("last_worker") is not None:
             self._consumed.last_worker = int(pending["last_worker"])
         self._dealt = pending is not None and bool(pending.get("dealt"))
+        # a resumed epoch's iterator does not draw from torch's generator: an uninterrupted run drew before the save
+        iterator = iter(loader) if pending is None else loader_position.quiet_iter(loader)
         if self._dealt:
-            yield from self._lockstep(loader)
+            whole = {0: {"entries": pending.get("rest") or [], "step": 1, "offset": 0}}  # type: ignore[union-attr]
+            fallback = stateful_loading.snapshot_loader(self.loader, self._source(whole))
+            yield from self._lockstep(loader, iterator, fallback)
             return
-        for data, tag in loader:
+        for data, tag in iterator:
             self._consumed.hand_out(tag)
             yield data
 
-    def _lockstep(self, loader: DataLoader) -> Iterator[Any]:
-        """A dealt epoch's rest: every rank yields the same number of batches (padding, or drop_last)."""
+    def _lockstep(self, loader: DataLoader, iterator: Iterator[Any], fallback: DataLoader) -> Iterator[Any]:
+        """A dealt epoch's rest: every rank yields the same number of batches (padding, or drop_last). Padding
+        repeats the start of this rank's share, or of the whole rest (``fallback``) for a rank whose share is
+        empty."""
         assert self._consumed is not None
-        iterator, padding, pads, left_out = iter(loader), None, 0, 0
+        padding, pads, left_out, ended = None, 0, 0, False
         drop_last = bool(self.loader.drop_last)
         while True:
-            item = next(iterator, _END)
+            item = _END if ended else next(iterator, _END)
+            ended = item is _END  # (persistent workers: the padding's iter() resets this very iterator)
             have = self.strategy.flat_all_reduce(torch.tensor([0 if item is _END else 1]), "sum")
             ranks_with = int(have.item())
             if ranks_with == 0:
@@ -194,12 +201,12 @@ class Streams:
                 break
             if item is _END:
                 if padding is None or (item := next(padding, _END)) is _END:
-                    padding = iter(loader)  # the start of this rank's share again
+                    padding = loader_position.quiet_iter(loader)  # the start of this rank's share again
                     item = next(padding, _END)
-                if item is _END:
-                    raise stream_position.StreamPositionError(
-                        f"rank {self.rank} has no sample at all in the resumed epoch's rest to repeat as padding; "
-                        "resume with fewer ranks or workers, or start the epoch over (loader.set_epoch).")
+                    if item is _END:  # this rank's share is empty: the start of the whole rest
+                        loader = fallback
+                        padding = loader_position.quiet_iter(loader)
+                        item = next(padding)  # another rank has a batch, so the rest has one
                 pads += 1
                 yield item[0]
                 continue
