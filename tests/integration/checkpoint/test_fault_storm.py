@@ -52,13 +52,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600 if SOAK else 900)]
 
 
 def _plan(rng: random.Random, known: int) -> List[list]:
-    """1 or 2 faults (rounds 0 and 1 of the launch) a few steps past the newest step seen."""
+    """1 or 2 faults (rounds 0 and 1 of the launch) a few steps past the newest step seen; round 1's past round
+    0's (round 1 resumes before it)."""
     faults = []
     for round_ in (0, 1):
         if round_ == 1 and rng.random() < 0.5:
             break
         kind = rng.choice(KINDS)
-        step = min(STEPS - 1, known + rng.randint(1, 8))
+        step = known = min(STEPS - 1, known + rng.randint(1, 8))
         if kind in ("kill_in_save", "kill_in_record"):
             step = min(STEPS - SAVE_EVERY, (step + SAVE_EVERY - 1) // SAVE_EVERY * SAVE_EVERY)
         rank = rng.randint(0, 1) if kind in ("kill", "hang") else 0

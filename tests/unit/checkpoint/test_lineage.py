@@ -7,7 +7,7 @@ real child processes as the other writers:
 - a writer is dead when its process is gone, when its pid now belongs to a process that started at another time,
   and (another host) when its lock file is gone or unlocked; alive while a process holds the lock;
 - the next save removes what a dead writer left (temporaries, a checkpoint published but never recorded, its
-  pending entry and lock file) and nothing of a live writer's.
+  pending entry and lock file) and nothing of a live writer's; on an fsspec ``memory://`` URL too.
 """
 from __future__ import annotations
 
@@ -196,3 +196,26 @@ def test_a_save_that_failed_leaves_its_pending_entry_to_the_next_save_of_the_sam
     assert json.loads((directory / MANIFEST).read_text())["pending"] == []
     assert sorted(os.listdir(directory)) == [".fabriclite-manifest.lock", MANIFEST, "good.ckpt"]
     assert manifest.read_manifest(str(directory)) is not None
+
+
+def test_on_a_url_the_next_save_removes_a_checkpoint_a_dead_writer_published_but_never_recorded(monkeypatch):
+    import fsspec
+
+    root = f"memory://fabriclite-lineage-{os.getpid()}"
+    monkeypatch.setenv("FABRICLITE_RUN_ID", "r")
+    fabric = Fabric(accelerator="cpu", devices=1)
+    fs = fsspec.filesystem("memory")
+    try:
+        fabric.save(f"{root}/step-1.ckpt", {"step": 1}, keep=2)
+        found = manifest.read_manifest(root)
+        assert found is not None and found["pending"] == []
+        found["pending"] = [{"name": "step-2.ckpt", "run_id": "r", "lineage": "r", "time": 1.0,
+                             "writer": _dead_writer()}]
+        manifest.write_manifest(root, found, "r")
+        fs.pipe_file(f"{root[len('memory://'):]}/step-2.ckpt", b"published, never recorded")
+        fabric.save(f"{root}/step-3.ckpt", {"step": 3}, keep=2)
+        names = sorted(os.path.basename(p) for p in fs.ls(root[len("memory://"):], detail=False))
+        assert names == [MANIFEST, "step-1.ckpt", "step-3.ckpt"]
+        assert manifest.read_manifest(root)["pending"] == []
+    finally:
+        fs.rm(root[len("memory://"):], recursive=True)
