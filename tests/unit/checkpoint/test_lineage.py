@@ -4,6 +4,7 @@ real child processes as the other writers:
 - ``prune`` (hypothesis): the K newest of the lineage stay, and the newest of each other live writer; other
   lineages are never touched;
 - ``keep=K`` counts across a lineage that new run ids continue after loading, and never across unrelated runs;
+  two branches of one lineage (a child process as the other) never delete a live one's newest checkpoint;
 - a writer is dead when its process is gone, when its pid now belongs to a process that started at another time,
   and (another host) when its lock file is gone or unlocked; alive while a process holds the lock;
 - the next save removes what a dead writer left (temporaries, a checkpoint published but never recorded, its
@@ -219,3 +220,38 @@ def test_on_a_url_the_next_save_removes_a_checkpoint_a_dead_writer_published_but
         assert manifest.read_manifest(root)["pending"] == []
     finally:
         fs.rm(root[len("memory://"):], recursive=True)
+
+
+BRANCH = """
+import os, sys, time
+from fabriclite import Fabric
+directory = sys.argv[1]
+fabric = Fabric(accelerator="cpu", devices=1)
+fabric.load_latest(directory, {"step": 0})
+fabric.save(os.path.join(directory, "b-1.ckpt"), {"step": 1}, keep=1)
+print("SAVED", flush=True)
+time.sleep(120)
+"""
+
+
+def test_two_branches_of_one_lineage_never_delete_the_newest_checkpoint_of_a_live_one(tmp_path, monkeypatch):
+    directory = tmp_path / "ckpt"
+    monkeypatch.setenv("FABRICLITE_RUN_ID", "origin")
+    _save(Fabric(accelerator="cpu", devices=1), directory, "c.ckpt", 0)
+    branch = subprocess.Popen([sys.executable, "-c", BRANCH, str(directory)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "FABRICLITE_RUN_ID": "branch_b"})
+    try:
+        assert branch.stdout is not None and branch.stdout.readline() == "SAVED\n"
+        monkeypatch.setenv("FABRICLITE_RUN_ID", "branch_a")
+        fabric = Fabric(accelerator="cpu", devices=1)
+        fabric.load(directory / "c.ckpt", {"step": 0})  # the checkpoint B resumed from: a second branch
+        for step in (1, 2, 3):
+            _save(fabric, directory, f"a-{step}.ckpt", step, keep=1)
+        assert [(e["name"], e["lineage"]) for e in _entries(directory)] == [("b-1.ckpt", "origin"),
+                                                                            ("a-3.ckpt", "origin")]
+    finally:
+        branch.kill()
+        branch.wait()
+    _save(fabric, directory, "a-4.ckpt", 4, keep=1)  # B has ended: its checkpoint counts like any other
+    assert [e["name"] for e in _entries(directory)] == ["a-4.ckpt"]
+    assert sorted(n for n in os.listdir(directory) if n.endswith(".ckpt")) == ["a-4.ckpt"]
