@@ -67,11 +67,12 @@ def run_pair(first: Any, second: Any, kind: str, directory: str, save_at: int, s
 SAME = ["map", "torchdata", "stateful", "stateless", "hf"]
 
 
-@pytest.mark.parametrize("kind", SAME)
-def test_same_size_resumes_exactly_once(pool2: Any, tmp_path: Any, kind: str) -> None:
-    """2 ranks x 2 workers -> the same: every kind exactly once; a stateful kind from its own states (no replay),
-    a stateless one by replay with a warning naming the replayed batches."""
-    results = run_pair(pool2, pool2, kind, str(tmp_path), save_at=5, stop_at=7)
+@pytest.mark.parametrize("kind,workers", [(kind, WORKERS) for kind in SAME] + [("stateful", 0), ("hf", 0)])
+def test_same_size_resumes_exactly_once(pool2: Any, tmp_path: Any, kind: str, workers: int) -> None:
+    """2 ranks x 2 workers (or none) -> the same: every kind exactly once; a stateful kind from its own states (no
+    replay), a stateless one by replay with a warning naming the replayed batches."""
+    results = run_pair(pool2, pool2, kind, str(tmp_path), save_at=5, stop_at=7, workers=workers,
+                       first_options={"workers": workers})
     assert all(r["error"] is None for r in results), results
     accounting = account(str(tmp_path))
     check_epochs(accounting, LENGTH, EPOCHS, {e: [] for e in range(EPOCHS)})
