@@ -94,7 +94,12 @@ def unrecorded_checkpoints(directory: str) -> List[str]:
 def warn_unrecorded(directory: str) -> None:
     """Warn (once per directory and message, Python's default filter) that ``directory`` holds checkpoints that
     no manifest records, naming them. Call on one process."""
-    names = unrecorded_checkpoints(directory)
+    try:
+        pending = {p["name"] for p in (manifest.read_manifest(directory) or {}).get("pending", [])}
+    except ValueError:
+        pending = set()
+    # a save killed before its record left its checkpoint pending: the next save removes it, nothing to say
+    names = [name for name in unrecorded_checkpoints(directory) if name.rstrip("/") not in pending]
     if not names:
         return
     listed = ", ".join(names[:NAMED]) + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")

@@ -255,3 +255,21 @@ def test_two_branches_of_one_lineage_never_delete_the_newest_checkpoint_of_a_liv
     _save(fabric, directory, "a-4.ckpt", 4, keep=1)  # B has ended: its checkpoint counts like any other
     assert [e["name"] for e in _entries(directory)] == ["a-4.ckpt"]
     assert sorted(n for n in os.listdir(directory) if n.endswith(".ckpt")) == ["a-4.ckpt"]
+
+
+def test_load_latest_names_unrecorded_checkpoints_but_not_a_killed_saves_pending_one(tmp_path):
+    import warnings
+
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    manifest.write_manifest(str(directory), {**manifest._empty(), "pending": [
+        {"name": "killed.ckpt", "run_id": "r", "lineage": "r", "time": 1.0, "writer": _dead_writer()}]}, "r")
+    for name in ("killed.ckpt", "loose.ckpt"):
+        torch.save({"step": 1}, directory / name)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fabric.load_latest(directory, {"step": 0}) is None
+    told = [str(w.message) for w in caught if "found no recorded checkpoint" in str(w.message)]
+    assert len(told) == 1 and "1 checkpoint(s)" in told[0] and "loose.ckpt" in told[0], told
+    assert "killed.ckpt" not in told[0]
