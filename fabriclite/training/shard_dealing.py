@@ -59,7 +59,8 @@ class ShardDealer:
     def __init__(self, dataset: Any, rank: int, world_size: int,
                  plan: Optional[Mapping[int, Dict[str, Any]]] = None) -> None:
         base = copy.copy(dataset)
-        base._distributed = None  # fabriclite deals the shards itself
+        base.__dict__ = dict(dataset.__dict__)  # datasets' copy shares its __dict__ with the original
+        base._distributed = None  # fabriclite deals the shards itself (the user's dataset keeps its split)
         self.base, self.shards = base, int(dataset._ex_iterable.num_shards)
         self.rank, self.world_size = rank, world_size
         self.plan = {int(w): p for w, p in plan.items()} if plan is not None else None

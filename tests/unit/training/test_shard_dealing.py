@@ -114,3 +114,17 @@ def test_plan_opt_out_and_kind_change() -> None:
     assert plan({**STATE, "stream": "stateless"}, "stateless", 3, 1, ignore=True) == "restart"
     with pytest.raises(StreamPositionError, match="fewer than ranks x workers"):
         plan({**STATE, "stream": "shards"}, "stateful", 3, 2, refusal="it has 4 shards, fewer than ranks x workers")
+
+
+def test_the_dealer_leaves_the_users_split_alone() -> None:
+    """fabriclite reads the shards of an unsplit copy; the dataset the user split keeps its split (datasets' own copy
+    shares its attributes with the original)."""
+    from datasets.distributed import split_dataset_by_node
+
+    from fabriclite.training.shard_dealing import ShardDealer
+
+    split = split_dataset_by_node(stream_of([2, 2, 2, 2]), rank=1, world_size=2)
+    dealer = ShardDealer(split, rank=1, world_size=2)
+    assert split._distributed is not None and split._distributed.rank == 1
+    assert [e["index"] for e in dealer.stream(0, 1, None)] == [2, 3, 6, 7]
+    assert [e["index"] for e in split] == [2, 3, 6, 7]
