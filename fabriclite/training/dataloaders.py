@@ -123,7 +123,8 @@ def _plain(obj: Any, cls: type) -> bool:
     """Whether ``obj`` is torch's plain ``cls`` or torchdata's StatefulDataLoader stand-in for it (same name, from
     ``torchdata.stateful_dataloader``: a StatefulDataLoader made with ``shuffle`` / ``batch_size`` has those)."""
     kind = type(obj)
-    return kind is cls or (kind.__name__ == cls.__name__ and kind.__module__.startswith("torchdata.stateful_dataloader"))
+    torchdata = kind.__module__.startswith("torchdata.stateful_dataloader")
+    return kind is cls or (kind.__name__ == cls.__name__ and torchdata)
 
 
 def gather_eval(strategy: Strategy, data: Any, dataloader: Any) -> Any:

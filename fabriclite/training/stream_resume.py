@@ -109,8 +109,9 @@ class Streams:
         plans = shard_dealing.deal(rest, self.world_size, self.num_workers)
         self._pending = {"how": "deal", "plans": plans[self.rank], "batch": 0, "dealt": True, "rest": rest}
         started = sum(1 for entry in rest if entry[1])
-        elastic.note(f"the stream's position was saved by {stream_position.sizes(int(state['world_size']), int(state.get('num_workers', 0)))} "
-                     f"and this run has {stream_position.sizes(self.world_size, self.num_workers)}: epoch {epoch} "
+        saved = stream_position.sizes(int(state["world_size"]), int(state.get("num_workers", 0)))
+        now = stream_position.sizes(self.world_size, self.num_workers)
+        elastic.note(f"the stream's position was saved by {saved} and this run has {now}: epoch {epoch} "
                      f"continues with the {len(rest)} shards left ({started} of them part-read, each resumed at its "
                      "offset), dealt over this run's ranks and workers; ranks whose share ends first repeat the "
                      "start of their share as padding (counted in a warning at the epoch's end), or stop with the "
