@@ -107,6 +107,7 @@ def describe(kind: str) -> str:
 
 
 def sizes(world_size: int, num_workers: int) -> str:
+    """"2 ranks x 2 workers": sizes in words, for messages."""
     return f"{world_size} rank{'' if world_size == 1 else 's'} x {num_workers} worker{'' if num_workers == 1 else 's'}"
 
 
@@ -156,4 +157,4 @@ def plan(state: Mapping[str, Any], kind: Optional[str], world_size: int, num_wor
 
 
 __all__ = ["DATASETS_VERSIONS", "StreamPositionError", "describe", "is_hf_iterable", "is_stateful_dataset",
-           "is_torchdata_loader", "plan", "refuse", "shards_refusal", "stream_kind"]
+           "is_torchdata_loader", "plan", "refuse", "shards_refusal", "sizes", "stream_kind"]
