@@ -107,7 +107,7 @@ def describe(kind: str) -> str:
 
 
 def sizes(world_size: int, num_workers: int) -> str:
-    """"2 ranks x 2 workers": sizes in words, for messages."""
+    """Sizes in words, for messages: ``2 ranks x 2 workers``."""
     return f"{world_size} rank{'' if world_size == 1 else 's'} x {num_workers} worker{'' if num_workers == 1 else 's'}"
 
 
