@@ -15,6 +15,7 @@ import re
 from typing import Any, Dict, List, Optional
 
 import pytest
+import torch
 
 from sample_accounting import account, check_epochs, distributed_sampler_shares
 from stream_data import train
@@ -76,6 +77,9 @@ def test_same_size_resumes_exactly_once(pool2: Any, tmp_path: Any, kind: str, wo
     assert all(r["error"] is None for r in results), results
     accounting = account(str(tmp_path))
     check_epochs(accounting, LENGTH, EPOCHS, {e: [] for e in range(EPOCHS)})
+    saved = torch.load(checkpoint(str(tmp_path)), weights_only=False)["loader"]
+    assert ("torchdata" in saved) == (kind == "torchdata"), saved  # torchdata's own state_dict, per rank
+    assert ("ranks" in saved) == (kind in ("stateful", "hf")), saved  # every rank's per-worker states
     replays = [w for w in results[0]["warnings"] if "replayed" in w]
     if kind == "stateless":
         assert replays and "its first 5 batches of this epoch are replayed" in replays[0], results[0]["warnings"]
