@@ -7,9 +7,9 @@ discarded) and against torchdata's StatefulDataLoader on the same dataset.
 writes benchmarks/results/data_resume.md (``--results PATH`` elsewhere). One process (1 rank), 2 DataLoader workers
 (fork), batch 4; the datasets hold ``--samples`` >= 10,000 x batch x ranks samples, each costing ``--work-us`` of
 sleep to produce (the Hugging Face stream: its own per-example cost); the Hugging Face stream is made of shards of
-1,000 examples. Each wait is the best of 5 resumes (replay: one); "batch time" is a pass's time per batch. Goals: the stateful kinds
-stay flat (the wait at batch 10,000 within the wait at batch 100 plus 2 batch times, plus the re-read of the current
-shard for Hugging Face); replay grows linearly.
+1,000 examples. Each wait is the best of 5 resumes (replay: one); "batch time" is a pass's time per batch. Goals:
+the stateful kinds stay flat (the wait at batch 10,000 within the wait at batch 100 plus 2 batch times, plus the
+re-read of the current shard for Hugging Face); replay grows linearly.
 """
 from __future__ import annotations
 
