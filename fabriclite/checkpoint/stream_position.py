@@ -13,7 +13,8 @@ stream has no order fabriclite can deal; its position is one of (``stream_kind``
   ranks x workers shards, no shuffle buffer: fabriclite deals its shards itself and records where each shard stands
   (``fabriclite.training.shard_dealing``), so the rest of the epoch can be dealt again over any number of ranks and
   workers.
-- ``"stateless"``: any other stream. At the same sizes its first batches are produced again and discarded (replay,
+- ``"stateless"``: any other stream (a Hugging Face stream with a shuffle buffer too: its own state loses the
+  buffer's contents). At the same sizes its first batches are produced again and discarded (replay,
   with a warning naming how many); at other sizes its position means nothing.
 
 Every position records the sizes it holds for (``world_size``, ``num_workers``). Loading a position inside an epoch
@@ -69,7 +70,7 @@ def shards_refusal(dataset: Any, world_size: int, num_workers: int) -> Optional[
     if int(distributed.world_size) != world_size:
         return (f"it was split with split_dataset_by_node(..., world_size={distributed.world_size}) but the job has "
                 f"{world_size} ranks")
-    if any("BufferShuffled" in type(part).__name__ for part in _pipeline(dataset._ex_iterable)):
+    if has_shuffle_buffer(dataset):
         return ("it has a shuffle buffer (.shuffle()), whose contents a saved position loses (Hugging Face documents "
                 "this)")
     shards = int(dataset._ex_iterable.num_shards)
@@ -78,6 +79,11 @@ def shards_refusal(dataset: Any, world_size: int, num_workers: int) -> Optional[
         return (f"it has {shards} shards, fewer than ranks x workers = {world_size} x {max(1, num_workers)} = {slots}; "
                 "reshard it (more files, or Dataset.to_iterable_dataset(num_shards=...))")
     return None
+
+
+def has_shuffle_buffer(dataset: Any) -> bool:
+    """Whether the Hugging Face ``dataset`` shuffles through a buffer (``.shuffle()``)."""
+    return any("BufferShuffled" in type(part).__name__ for part in _pipeline(dataset._ex_iterable))
 
 
 def _pipeline(ex_iterable: Any) -> Any:
@@ -94,8 +100,11 @@ def stream_kind(loader: DataLoader, world_size: int) -> Optional[str]:
     dataset = loader.dataset
     if not isinstance(dataset, IterableDataset):
         return None
-    if is_hf_iterable(dataset) and shards_refusal(dataset, world_size, loader.num_workers) is None:
-        return "shards"
+    if is_hf_iterable(dataset):
+        if shards_refusal(dataset, world_size, loader.num_workers) is None:
+            return "shards"
+        if has_shuffle_buffer(dataset):
+            return "stateless"  # its state loses the buffer's contents (Hugging Face documents this): replayed
     return "stateful" if is_stateful_dataset(dataset) else "stateless"
 
 
@@ -151,10 +160,10 @@ def plan(state: Mapping[str, Any], kind: Optional[str], world_size: int, num_wor
                        f"and worker, and at another {moved} the dataset shards the stream another way",
            "stateless": f"the dataset has no state, and at another {moved} it shards the stream another way, so "
                         "replaying its first batches would not give back the samples consumed"}[kind]
-    if kind == "stateful" and state.get("hf_refusal"):
+    if state.get("hf_refusal"):
         why += f"; fabriclite cannot deal its shards again: {state['hf_refusal']}"
     raise refuse(state, world_size, num_workers, why)
 
 
 __all__ = ["DATASETS_VERSIONS", "StreamPositionError", "describe", "is_hf_iterable", "is_stateful_dataset",
-           "is_torchdata_loader", "plan", "refuse", "shards_refusal", "sizes", "stream_kind"]
+           "has_shuffle_buffer", "is_torchdata_loader", "plan", "refuse", "shards_refusal", "sizes", "stream_kind"]

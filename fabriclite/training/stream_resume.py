@@ -57,7 +57,7 @@ class Streams:
             return state
         if self.kind is not None:
             state.update(world_size=self.world_size, num_workers=self.num_workers, stream=self.kind)
-            if self.kind == "stateful" and stream_position.is_hf_iterable(self.loader.dataset):
+            if self.kind != "shards" and stream_position.is_hf_iterable(self.loader.dataset):
                 state["hf_refusal"] = stream_position.shards_refusal(self.loader.dataset, self.world_size,
                                                                      self.num_workers)
         if not running or int(state.get("batch", 0)) == 0:

@@ -68,7 +68,8 @@ def run_pair(first: Any, second: Any, kind: str, directory: str, save_at: int, s
 SAME = ["map", "torchdata", "stateful", "stateless", "hf"]
 
 
-@pytest.mark.parametrize("kind,workers", [(kind, WORKERS) for kind in SAME] + [("stateful", 0), ("hf", 0)])
+@pytest.mark.parametrize("kind,workers", [(kind, WORKERS) for kind in SAME] + [("stateful", 0), ("hf", 0),
+                                                                                ("hf-shuffled", WORKERS)])
 def test_same_size_resumes_exactly_once(pool2: Any, tmp_path: Any, kind: str, workers: int) -> None:
     """2 ranks x 2 workers (or none) -> the same: every kind exactly once; a stateful kind from its own states (no
     replay), a stateless one by replay with a warning naming the replayed batches."""
@@ -81,7 +82,7 @@ def test_same_size_resumes_exactly_once(pool2: Any, tmp_path: Any, kind: str, wo
     assert ("torchdata" in saved) == (kind == "torchdata"), saved  # torchdata's own state_dict, per rank
     assert ("ranks" in saved) == (kind in ("stateful", "hf")), saved  # every rank's per-worker states
     replays = [w for w in results[0]["warnings"] if "replayed" in w]
-    if kind == "stateless":
+    if kind in ("stateless", "hf-shuffled"):  # a shuffle buffer's state loses its contents: replayed
         assert replays and "its first 5 batches of this epoch are replayed" in replays[0], results[0]["warnings"]
     else:
         assert not replays, replays
