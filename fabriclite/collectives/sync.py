@@ -43,20 +43,31 @@ def rank_zero_first(strategy: Strategy, local: bool, broadcast: Callable[..., An
         return
     first = (strategy.local_rank if local else strategy.global_rank) == 0
     key = keys.rank_zero_first(state.rank_zero_first_calls, strategy.node_rank if local else None)
+    readers = _readers(strategy, local)
     if first:
         try:
             yield
         except BaseException as err:
-            first_rank.announce(store, key, f"{type(err).__name__}: {err}")
+            first_rank.announce(store, key, f"{type(err).__name__}: {err}", readers)
             raise
-        first_rank.announce(store, key, _OK)
+        first_rank.announce(store, key, _OK, readers)
         return
-    status = first_rank.wait(store, key)
+    status = first_rank.wait(store, key, readers)
     if status != _OK:
         who = f"local rank 0 of node {strategy.node_rank}" if local else "rank 0"
         raise RankZeroFailed(f"rank_zero_first: {who} raised inside the block, so this rank (rank "
                              f"{strategy.global_rank}) did not run it: {status}")
     yield
+
+
+def _readers(strategy: Strategy, local: bool) -> Optional[int]:
+    """How many ranks wait for the first one's word (the last to read it deletes it); None where the layout is not
+    known for sure (the word is then kept)."""
+    if not local:
+        return strategy.world_size - 1
+    local_world_size = getattr(strategy, "local_world_size", None)
+    per_node = local_world_size() if callable(local_world_size) else 0
+    return per_node - 1 if per_node * getattr(strategy, "num_nodes", 0) == strategy.world_size else None
 
 
 @contextmanager

@@ -7,7 +7,9 @@ a real job.
 ranks' check-in at launch, torchrun starts' meeting), ``failure_flag`` (the job's first failure, and the waits
 that end on it), ``liveness`` (supervisors' heartbeats; node 0 keeping the store up), ``restart_agreement``
 (whether and when the next round starts), ``straggler_reports`` (each node's busy times per window),
-``collective_progress`` (each rank's collective counts), ``rank_zero_first`` (the first rank's word).
+``collective_progress`` (each rank's collective counts), ``rank_zero_first`` (the first rank's word), ``polling``
+(how every wait polls: O(1) requests per poll, a backoff; a simulation turns the same pollers from an event
+loop).
 
 May import: ``fabriclite.distributed.rendezvous`` (its error) and nothing else of fabriclite.
 """

@@ -9,6 +9,18 @@ from typing import Any, Dict, Optional
 from fabriclite.distributed.control_plane import keys
 
 
+#: the longest and shortest time between two of a rank's records (seconds)
+MOST_INTERVAL_S, LEAST_INTERVAL_S = 60.0, 1.0
+
+
+def publish_interval(timeout_s: float) -> float:
+    """How often a rank publishes its counts under collective timeout ``timeout_s``: a thirtieth of it, between 1 s
+    and 60 s. The records are read only after a collective failed, which takes the timeout; a stuck rank's counts
+    do not move, so a record that old is still its last word, and a large job at the default 30-minute timeout
+    sends one record per rank per minute instead of one per second."""
+    return min(MOST_INTERVAL_S, max(LEAST_INTERVAL_S, timeout_s / 30.0))
+
+
 def publish(store: Any, rank: int, record: Dict[str, Any]) -> None:
     """Publish rank ``rank``'s ``record`` (``counts``: group label -> [count, last collective's name], ``time``,
     ``left``). Raises RuntimeError when the store is gone."""

@@ -1,6 +1,9 @@
 """The job's failure flag: the first failure a supervisor publishes in the job's store, for every node and rank.
 
-Every function takes the job's store seen under ``keys.PREFIX`` (``meeting.job_view``).
+The record goes under ``failure``; then the flag goes up in every counter that supervisors and ranks poll anyway
+(``keys.FLAGGED``: the supervisors' pulse, the ranks' check-in count), so that they see it in the answer to a
+request they make regardless, and no one polls the flag on its own in steady state. Every function takes the
+job's store seen under ``keys.PREFIX`` (``meeting.job_view``).
 """
 from __future__ import annotations
 
@@ -8,10 +11,12 @@ import json
 import time
 from typing import Any, Dict, Optional
 
-from fabriclite.distributed.control_plane import keys
+from fabriclite.distributed.control_plane import keys, polling
 
 #: the failure flag's key (under keys.PREFIX)
 FAILURE_KEY = keys.FAILURE
+#: how often a wait on something else reads the failure record besides (seconds)
+FAILURE_CHECK_S = 1.0
 
 
 class JobFailedElsewhere(RuntimeError):
@@ -39,8 +44,22 @@ def publish_failure(store: Any, record: Dict[str, Any]) -> None:
         old = read_failure(store)
         if old is None or (old.get("secondary") and not record.get("secondary")):
             store.set(FAILURE_KEY, json.dumps(record))
+        if old is None:  # the record first, then the flag: whoever sees the flag finds the record
+            for counter in keys.FLAGGED:
+                store.add(counter, keys.FAILED)
     except RuntimeError:
         pass
+
+
+def flagged(count: int) -> bool:
+    """Whether ``count``, read from one of ``keys.FLAGGED``, carries the failure flag."""
+    return count >= keys.FAILED
+
+
+def flagged_failure(store: Any) -> Dict[str, Any]:
+    """The published record, for a poller that saw the flag in a counter (a placeholder if it is unreadable)."""
+    return read_failure(store) or {"node": None, "rank": None, "timestamp": time.time(), "secondary": False,
+                                   "message": "a failure was flagged but its record could not be read"}
 
 
 def failed(store: Any) -> bool:
@@ -68,9 +87,16 @@ def wait_for_key(store: Any, key: str, what: str, poll_s: float = 0.05) -> None:
     written): instead of a timeout, it raises JobFailedElsewhere (naming the failed node and rank)
     as soon as the job's supervisor reports a failure. ``what`` says what is awaited, for the error.
     """
-    delay = 0.001
+    backoff, checked = polling.Backoff(0.001, poll_s), None
     while not store.check([key]):
-        time.sleep(delay)
-        delay = min(delay * 2, poll_s)
-        if delay >= poll_s:
-            raise_if_failed(store, what)
+        time.sleep(backoff.next())
+        checked = check_now(store, what, checked, backoff.current >= poll_s)
+
+
+def check_now(store: Any, what: str, checked: Optional[float], ready: bool) -> Optional[float]:
+    """For a wait on something else: read the failure record (JobFailedElsewhere if there is one) once ``ready``
+    (its backoff reached the ceiling), then at most every FAILURE_CHECK_S; when it last did (``checked``)."""
+    if not ready or (checked is not None and time.monotonic() - checked < FAILURE_CHECK_S):
+        return checked
+    raise_if_failed(store, what)
+    return time.monotonic()

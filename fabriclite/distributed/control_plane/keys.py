@@ -7,38 +7,49 @@ supervisor, rank 0 hosts it (or torchrun's agents' store is joined). Its layout:
   ``n`` > 0 sees the store under ``round<n>`` first (:func:`round_part`), so no rank or supervisor of an old round
   shares a key with a new one.
 - ``pg/`` (:data:`PROCESS_GROUP_PREFIX`, beside ``fabriclite/`` in a round's part): torch's process group.
-- ``restarts/<round>/`` (:func:`restart_report`, :func:`restart_decision`): on the store itself, outside rounds.
+- ``restarts/<round>/`` (:func:`restart_reports`, :func:`restart_decision`): on the store itself, outside rounds.
 - ``fabriclite/torchelastic/`` (:data:`TORCHELASTIC`): the ranks of one torchrun start meet there, in the agents'
   store that outlives every start.
+
+Nothing grows with the number of steps: every key is written once per round or overwritten in place, and the
+ones that are done with are deleted. Per round (N nodes, W ranks): the counters, the failure record, W progress
+records, 2 N straggler slots; the restart agreement adds 2 keys per failed round, and node 0 deletes the previous
+round's when it decides.
 
 =====================================  ===================================  ==================================
 key (under ``fabriclite/``)            written by / read by                 goes
 =====================================  ===================================  ==================================
-``failure``                            the first failing node's supervisor   with the store (the job's end)
+``failure``                            the first failing node's supervisor  with the round's part
                                        (a root cause replaces a secondary
-                                       one) / every supervisor (polled),
-                                       ranks in waits without a deadline
-``arrived/<rank>``, ``arrived/count``  each rank at launch / every rank      with the round's part
-                                       (until all arrived)
-``beat/<node>``                        node N's supervisor (a counter,       with the store
-                                       every REMOTE_POLL_S) / node 0's as
-                                       it leaves
-``ended/<node>``                       node N's supervisor as it leaves /    with the store
+                                       one) / every supervisor and waiting
+                                       rank, once the flag is up
+``pulse``                              every supervisor, +1 every           with the round's part
+                                       ``liveness.PULSE_S`` (its answer
+                                       carries the failure flag), +FAILED
+                                       with the failure / node 0's as it
+                                       leaves (someone is still alive)
+``ended``                              each supervisor as it leaves, +1 /   with the round's part
                                        node 0's
-``straggle/<window>/<node>``           node N's supervisor once per window   with the round's part
-                                       / node 0's
-``progress/<rank>``                    each rank's collective-watch thread   with the round's part
-                                       (every second) / a rank whose
-                                       collective failed
-``collectives/rank_zero_first/<n>``    rank 0 (local rank 0: ``/node<N>``)   with the round's part
-                                       after the block / the other ranks
+``arrived/count``                      each rank at launch, +1; +FAILED     with the round's part
+                                       with a failure / every rank until
+                                       all arrived
+``arrived/<rank>``                     each rank at launch / a rank whose   by that rank once all arrived
+                                       wait timed out (who is missing)
+``straggle/<node>/<window % 2>``       node N's supervisor once per window  overwritten two windows later
+                                       / node 0's, every node's at once
+                                       (check + multi_get)
+``progress/<rank>``                    each rank's collective-watch thread  overwritten in place
+                                       (``publish_interval``) / a rank
+                                       whose collective failed
+``collectives/rank_zero_first/<n>``    rank 0 (local rank 0: ``/node<N>``)  by the last waiting rank to read
+(and ``.../read``, a counter)          after the block / the other ranks    it
 =====================================  ===================================  ==================================
 
-Keys outside ``fabriclite/``: ``restarts/<round>/node/<node>`` (each supervisor after a failed round: "1" can go on,
-"0" cannot) and ``restarts/<round>/decision`` (node 0's supervisor: ``{"delay": seconds or null}``), read by
-node 0's and the other supervisors; ``fabriclite/torchelastic/current``, ``.../<start>/member/<rank>`` and
-``.../<start>/go`` (see ``meeting.launch_namespace``). None is deleted today: a round's keys are left behind with
-its part of the store, and the store ends with node 0's supervisor.
+Keys outside ``fabriclite/``: ``restarts/<round>/reports`` (a counter: each supervisor after a failed round adds 1,
+plus UNABLE when it cannot go on) and ``restarts/<round>/decision`` (node 0's supervisor: ``{"delay": seconds or
+null}``), read by node 0's and the other supervisors, deleted by node 0 when it decides the next failed round;
+``fabriclite/torchelastic/current``, ``.../<start>/member/<rank>`` and ``.../<start>/go`` (see
+``meeting.launch_namespace``; torchrun's store, one set per start of the ranks).
 """
 from __future__ import annotations
 
@@ -61,19 +72,22 @@ def round_part(round_number: int) -> str:
     return "" if round_number == 0 else f"round{round_number}"
 
 
-def beat(node: int) -> str:
-    """Node ``node``'s supervisor's heartbeat counter."""
-    return f"beat/{node}"
+#: the supervisors' pulse counter (under PREFIX, in a round's part): see liveness.pulse
+PULSE = "pulse"
+#: how many supervisors have left (under PREFIX, in a round's part): see liveness.leave
+ENDED = "ended"
+#: added to every counter in FLAGGED when a failure is published: a counter at or above it says "failed"
+FAILED = 1 << 40
+#: the counters that carry the failure flag (under PREFIX): whoever polls one of them sees a failure for free
+FLAGGED = (PULSE, f"{ARRIVED}/count")
+#: added to the restart reports' counter by a node that cannot go on (its low bits count the reports)
+UNABLE = 1 << 20
 
 
-def ended(node: int) -> str:
-    """Set once node ``node``'s supervisor is leaving."""
-    return f"ended/{node}"
-
-
-def restart_report(round_number: int, node: int) -> str:
-    """Whether node ``node`` can go on after failed round ``round_number`` (on the store itself, not under PREFIX)."""
-    return f"restarts/{round_number}/node/{node}"
+def restart_reports(round_number: int) -> str:
+    """The count of nodes that reported after failed round ``round_number`` (+UNABLE for each that cannot go on;
+    on the store itself, not under PREFIX)."""
+    return f"restarts/{round_number}/reports"
 
 
 def restart_decision(round_number: int) -> str:
@@ -82,8 +96,9 @@ def restart_decision(round_number: int) -> str:
 
 
 def straggler_report(window: int, node: int) -> str:
-    """Node ``node``'s ranks' busy seconds per step over straggler window ``window``."""
-    return f"straggle/{window}/{node}"
+    """Node ``node``'s slot for straggler window ``window``: two per node, used in turn (window parity), so that a
+    node one window ahead does not overwrite the window node 0 is reading."""
+    return f"straggle/{node}/{window % 2}"
 
 
 def collective_progress(rank: int) -> str:
@@ -95,3 +110,8 @@ def rank_zero_first(call: int, node: Optional[int] = None) -> str:
     """The outcome of the ``call``-th ``rank_zero_first`` block (``node``: the per-node form, ``local=True``)."""
     key = f"collectives/rank_zero_first/{call}"
     return key if node is None else f"{key}/node{node}"
+
+
+def readers(key: str) -> str:
+    """The counter of the waiting ranks that have read ``key`` (the last one deletes both)."""
+    return f"{key}/read"

@@ -1,53 +1,60 @@
-"""Liveness across nodes: each supervisor's heartbeat, and node 0 keeping the store up until the other nodes have
-ended. Every function takes the job's store seen under ``keys.PREFIX`` (round 0's part: ``meeting.job_view``)."""
+"""Liveness across nodes: each supervisor's pulse, and node 0 keeping the store up until the other nodes have
+ended. Every function takes the job's store seen under ``keys.PREFIX`` (the round's part: ``meeting.job_view``).
+
+One counter, ``pulse``, for every supervisor: each adds 1 every PULSE_S, and the answer says whether the failure
+flag is up (``failure_flag.publish_failure`` adds ``keys.FAILED`` to it). So a supervisor's steady-state traffic is
+one request per PULSE_S, the failure is seen within PULSE_S everywhere, and node 0 leaving knows that someone is
+still alive while the count moves.
+"""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Dict, Optional
 
-from fabriclite.distributed.control_plane import failure_flag, keys
+from fabriclite.distributed.control_plane import failure_flag, keys, polling
 
+#: how often each supervisor pulses (and so reads the failure flag)
+PULSE_S = 1.0
 POLL_S = 0.05
 #: how long node 0 keeps the store up after a failure, for the other nodes to read it
 LINGER_S = 3.0
-#: after a success, node 0 stops waiting for a node whose supervisor gave no sign of life for this long
+#: after a success, node 0 stops waiting for the nodes that have not ended once no supervisor pulsed for this long
 HEARTBEAT_TIMEOUT_S = 30.0
 
 
-def beat(store: Any, node_rank: int) -> None:
-    """Tell node 0's supervisor that node ``node_rank``'s is alive (it waits for live nodes before it leaves).
-    Never raises: the next read of the failure flag reports a lost store."""
+def pulse(store: Any) -> Optional[Dict[str, Any]]:
+    """One pulse of this node's supervisor: None, or the job's failure once it is published (a store that cannot be
+    reached counts as one: its host, node 0's supervisor, is gone). One request; two once the flag is up."""
     try:
-        store.add(keys.beat(node_rank), 1)
+        count = store.add(keys.PULSE, 1)
     except RuntimeError:
-        pass
+        return failure_flag.read_failure(store)  # says the store is gone
+    return failure_flag.flagged_failure(store) if failure_flag.flagged(count) else None
 
 
 def leave(store: Any, node_rank: int, num_nodes: int, failed: bool, signalled: Callable[[], bool]) -> None:
     """Across nodes, node 0 keeps the store (and so the failure record) up until every node has
-    ended: after a success for as long as the other supervisors are alive (their heartbeat moves
-    at least every HEARTBEAT_TIMEOUT_S), after a failure for at most LINGER_S."""
+    ended: after a success for as long as a supervisor that has not ended is alive (the pulse moves
+    at least every HEARTBEAT_TIMEOUT_S), after a failure for at most LINGER_S. Two requests per poll."""
     try:
-        store.set(keys.ended(node_rank), "1")
+        ended = store.add(keys.ENDED, 1)
         if node_rank != 0:
             return
-        waiting = {n: (-1, time.monotonic()) for n in range(1, num_nodes)}  # beat, when it moved
         deadline = time.monotonic() + LINGER_S if failed else None
-        while waiting:
+        last, moved = store.add(keys.PULSE, 0), time.monotonic()
+        backoff = polling.Backoff(POLL_S, 0.5)
+        while ended < num_nodes:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return
-            if deadline is None and (signalled() or failure_flag.failed(store)):
+            count = store.add(keys.PULSE, 0)
+            if deadline is None and (signalled() or failure_flag.flagged(count)):
                 deadline = now + LINGER_S
-            for n, (beat_count, moved) in list(waiting.items()):
-                if store.check([keys.ended(n)]):
-                    del waiting[n]
-                    continue
-                current = store.add(keys.beat(n), 0)
-                if current != beat_count:
-                    waiting[n] = (current, now)
-                elif now - moved > HEARTBEAT_TIMEOUT_S:
-                    del waiting[n]  # that supervisor is gone without a word: stop waiting for it
-            time.sleep(POLL_S)
+            if count != last:
+                last, moved = count, now
+            elif now - moved > HEARTBEAT_TIMEOUT_S:
+                return  # the supervisors left are gone without a word: stop waiting for them
+            time.sleep(backoff.next())
+            ended = store.add(keys.ENDED, 0)
     except RuntimeError:
         pass

@@ -11,7 +11,7 @@ from typing import Any, List
 
 from torch.distributed import PrefixStore, Store
 
-from fabriclite.distributed.control_plane import failure_flag, keys
+from fabriclite.distributed.control_plane import failure_flag, keys, polling
 from fabriclite.distributed.rendezvous import RendezvousError
 
 
@@ -31,16 +31,49 @@ def round_store(store: Store, round_number: int) -> Store:
     return store if round_number == 0 else PrefixStore(keys.round_part(round_number), store)
 
 
+class Arrival:
+    """One rank's check-in under ``key``: :meth:`arrive`, then :meth:`poll` until True (``delay()`` seconds apart),
+    then :meth:`leave`. One request per poll (the count, which also carries the failure flag); the poll interval's
+    ceiling grows with ``world_size`` (polling.ceiling) so that a large job does not flood the store."""
+
+    def __init__(self, store: Store, key: str, rank: int, world_size: int) -> None:
+        self.store, self.key, self.rank, self.world_size = store, key, rank, world_size
+        self.arrived = False
+        self.count = 0
+        self._backoff = polling.Backoff(0.001, polling.ceiling(world_size, 0.1))
+
+    def arrive(self) -> None:
+        self.store.set(f"{self.key}/{self.rank}", "1")
+        self.count = self.store.add(f"{self.key}/count", 1)
+        self.arrived = True
+
+    def poll(self) -> bool:
+        """Whether every rank has arrived; JobFailedElsewhere once a supervisor has published a failure."""
+        if self.count < self.world_size:
+            self.count = self.store.add(f"{self.key}/count", 0)
+        if failure_flag.flagged(self.count):
+            record = failure_flag.flagged_failure(self.store)
+            raise failure_flag.JobFailedElsewhere(f"fabriclite: stopped waiting for the other ranks to join: the job "
+                                                  f"failed on {failure_flag.describe_failure(record)}")
+        return self.count >= self.world_size
+
+    def delay(self) -> float:
+        return self._backoff.next()
+
+    def leave(self) -> None:
+        """Every rank has arrived: this rank's own key (kept to name the missing ranks) is done with."""
+        self.store.delete_key(f"{self.key}/{self.rank}")
+
+
 def wait_for_ranks(store: Store, key: str, rank: int, world_size: int, timeout: timedelta,
                    where: str = "") -> None:
     """Every rank checks in under ``key``; returns when all ``world_size`` have, else raises a
     RendezvousError listing the ranks that never arrived (within ``timeout``), or JobFailedElsewhere
     as soon as a supervisor reports a failure. ``where`` ("address:port") goes into the error."""
-    store.set(f"{key}/{rank}", "1")
-    arrived = store.add(f"{key}/count", 1)
+    arrival = Arrival(store, key, rank, world_size)
+    arrival.arrive()
     deadline = time.monotonic() + timeout.total_seconds()
-    delay = 0.001
-    while arrived < world_size:
+    while not arrival.poll():
         if time.monotonic() > deadline:
             missing = missing_ranks(store, key, world_size)
             raise RendezvousError(
@@ -49,11 +82,8 @@ def wait_for_ranks(store: Store, key: str, rank: int, world_size: int, timeout: 
                 f"(rank {rank} waited). Were all nodes started, with the same --num-nodes/--devices and main "
                 f"address/port?"
             )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
-        arrived = store.add(f"{key}/count", 0)
-        if delay >= 0.1:
-            failure_flag.raise_if_failed(store, "waiting for the other ranks to join")
+        time.sleep(arrival.delay())
+    arrival.leave()
 
 
 def missing_ranks(store: Store, key: str, world_size: int) -> List[int]:

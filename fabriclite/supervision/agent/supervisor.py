@@ -53,7 +53,6 @@ from fabriclite.supervision.agent.round_ranks import POLL_S, RoundRanks
 from fabriclite.supervision.agent import supervisor_signals
 from fabriclite.supervision.processes.stopping import print_summary
 
-REMOTE_POLL_S = 0.5
 DEFAULT_MULTI_NODE_PORT = 29500
 
 
@@ -288,7 +287,7 @@ class Supervisor:
     def _watch(self) -> int:
         running = dict(self.ranks.workers)
         failures: List[Failure] = []
-        next_remote = time.monotonic() + REMOTE_POLL_S
+        next_remote = time.monotonic() + liveness.PULSE_S
         while running:
             if self._signal is not None:
                 return self._interrupted(self._signal)
@@ -307,7 +306,7 @@ class Supervisor:
             if hung is not None:
                 return self._hung(hung)
             if self.layout.num_nodes > 1 and time.monotonic() >= next_remote:
-                next_remote = time.monotonic() + REMOTE_POLL_S
+                next_remote = time.monotonic() + liveness.PULSE_S
                 self._beat()
                 remote = failure_flag.read_failure(self._store)
                 if remote is not None:
@@ -333,10 +332,6 @@ class Supervisor:
                     print_summary(event.line)
                 self.record.emit(event.kind, **event.fields)
         return ends
-
-    def _beat(self) -> None:
-        """Tell node 0's supervisor this one is alive (it waits for live nodes before it leaves)."""
-        liveness.beat(self._store, self.layout.node_rank)
 
     def _remote_failed(self) -> bool:
         """Whether another node published a failure (the cause a lost peer here may be reporting)."""

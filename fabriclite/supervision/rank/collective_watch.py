@@ -2,7 +2,8 @@
 times out or loses a peer fails with one clear error naming the ranks that did not arrive.
 
 Each rank counts the collectives it enters (a Python int per process group: no store traffic per
-collective). A daemon thread publishes the counts to the job's store once per ``interval`` seconds.
+collective). A daemon thread publishes the counts to the job's store once per ``interval`` seconds (by default
+``collective_progress.publish_interval`` of the collective timeout).
 When a collective fails, :meth:`CollectiveWatch.failed` reads every member's counts and builds the
 error; the process group is unusable afterwards (every later collective raises at once).
 """
@@ -18,7 +19,6 @@ from fabriclite.supervision.rank import progress as rank_progress
 from fabriclite.supervision.rank.child import PEER_LOST_MARKERS, SUPERVISOR_PID_ENV
 
 #: how often each rank publishes its counts (seconds)
-PUBLISH_INTERVAL_S = 1.0
 #: after a lost peer, how long to wait for the supervisor to report which rank failed
 SUPERVISOR_REPORT_WAIT_S = 2.0
 _TIMEOUT_MARKERS = ("timed out", "timeout")
@@ -62,12 +62,12 @@ class CollectiveWatch:
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
-                 publish_store: Any = None, interval: float = PUBLISH_INTERVAL_S) -> None:
+                 publish_store: Any = None, interval: Optional[float] = None) -> None:
         self.store = store
         self.rank = rank
         self.world = tuple(range(world_size))
         self.timeout_s = timeout_s
-        self.interval = interval
+        self.interval = collective_progress.publish_interval(timeout_s) if interval is None else interval
         self.counts: Dict[Tuple[int, ...], int] = {}
         self.names: Dict[Tuple[int, ...], str] = {}
         self.broken: Optional[str] = None

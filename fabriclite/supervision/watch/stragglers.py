@@ -70,6 +70,7 @@ class StragglerWatch:
     def reset(self) -> None:
         """A new round: the ranks' counts start again."""
         self._next = 1  # the window being waited for
+        self._reports = straggler_reports.Collector(self.num_nodes)
         self._at: Dict[int, Tuple[int, int]] = {}  # rank -> (steps, busy ns) at the last window end
         self._streak: Dict[int, int] = {}
         self._named: Dict[int, float] = {}
@@ -112,9 +113,11 @@ class StragglerWatch:
         if self.num_nodes > 1 and self.store is not None:
             if not straggler_reports.publish(self.store, number, self.node_rank, mine) or self.node_rank != 0:
                 return []
-            # node 0 judges once every node has reported this window; a node behind is judged at its own pace
-            everyone = straggler_reports.collect(self.store, number, self.num_nodes)
-            return self.judge(everyone) if everyone is not None else []
+            # node 0 judges each window once every node has reported it (straggler_reports.Collector)
+            found: List[Straggler] = []
+            for everyone in self._reports.collect(self.store, number):
+                found += self.judge(everyone)
+            return found
         return self.judge(mine)
 
     # ------------------------------------------------------------------ the decision
