@@ -33,12 +33,12 @@ class Waiter:
         """The outcome, or None while rank 0 is in the block; JobFailedElsewhere when a supervisor published a
         failure meanwhile."""
         if not self.store.check([self.key]):
-            if time.monotonic() - self._checked >= failure_flag.FAILURE_CHECK_S:
-                self._checked: Optional[float] = None
-                failure_flag.raise_if_failed(self.store, "waiting for rank 0 in rank_zero_first")
+            self._checked = failure_flag.check_now(self.store, "waiting for rank 0 in rank_zero_first", self._checked,
+                                                   self._backoff.current >= self._backoff.most_s)
             return None
         raw = self.store.get(self.key)
-        if self.readers is not None and self.store.add(keys.readers(self.key), 1) >= self.readers:  # the last reader: nobody needs it any more
+        # the last reader deletes the word: nobody needs it any more
+        if self.readers is not None and self.store.add(keys.readers(self.key), 1) >= self.readers:
             self.store.delete_key(self.key)
             self.store.delete_key(keys.readers(self.key))
         return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
