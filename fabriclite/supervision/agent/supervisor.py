@@ -307,8 +307,7 @@ class Supervisor:
                 return self._hung(hung)
             if self.layout.num_nodes > 1 and time.monotonic() >= next_remote:
                 next_remote = time.monotonic() + liveness.PULSE_S
-                self._beat()
-                remote = failure_flag.read_failure(self._store)
+                remote = liveness.pulse(self._store)  # one request: alive, and the failure flag in its answer
                 if remote is not None:
                     self.summary = (f"fabriclite: the job failed on {failure_flag.describe_failure(remote)}\n"
                                     f"  stopping the ranks of node {self.layout.node_rank}.")
