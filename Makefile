@@ -51,6 +51,7 @@ bench: venv
 	$(PY) benchmarks/step_timing.py
 	$(PY) benchmarks/fault_tolerance.py
 	$(PY) benchmarks/data_resume.py
+	$(PY) benchmarks/control_plane.py --plot docs/control_plane.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

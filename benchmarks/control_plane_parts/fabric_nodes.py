@@ -130,7 +130,7 @@ class Node:
         if rank == 0:
             def announce() -> Optional[float]:
                 with conn:
-                    rank_zero_first.announce(self.view(conn), key, "ok")
+                    rank_zero_first.announce(self.view(conn), key, "ok", self.world - 1)
                 done()
                 return None
             return announce

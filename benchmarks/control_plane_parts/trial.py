@@ -60,7 +60,7 @@ class Trial:
                 req0, t0 = host.requests(), time.monotonic()
                 time.sleep(max(0.0, until - time.monotonic()))
                 requests_s = (host.requests() - req0) / (time.monotonic() - t0)
-                answers = workers.collect(self.left())
+                answers = self._errors(f"steady {rate:g}", workers.collect(self.left()))
                 node0 = answers[0]
                 r[f"steady_{rate:g}"] = {
                     "requests_s": requests_s, "per_node_s": requests_s / self.nodes,
@@ -104,7 +104,8 @@ class Trial:
             if time.monotonic() > self.deadline:
                 raise _Capped("the memory phase did not finish")
             samples.append({"step": k, "rss_mb": host.rss_mb(), "keys": host.num_keys()})
-        answers = workers.collect(self.left())
+        answers = self._errors("memory", workers.collect(self.left()))
+        samples.append({"step": steps, "rss_mb": host.rss_mb(), "keys": host.num_keys()})  # every step done
         late = max(a.get("behind_steps", 0) for a in answers)
         base = next((s for s in samples if s["step"] >= 2000), samples[0])
         last = samples[-1]
@@ -116,7 +117,15 @@ class Trial:
 
     def _run(self, workers: Workers, phase: str, **kwargs: Any) -> List[Dict[str, Any]]:
         self._check_left(phase)
-        return workers.run(phase, timeout=self.left() + 30, **kwargs)
+        return self._errors(phase, workers.run(phase, timeout=self.left() + 30, **kwargs))
+
+    def _errors(self, phase: str, answers: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """Any chain that raised in ``phase`` goes into the notes (the figure is then suspect)."""
+        count = sum(a.get("task_error_count", 0) for a in answers)
+        if count:
+            first = next(a["task_errors"][0] for a in answers if a.get("task_errors"))
+            self.result["notes"].append(f"{count} chains raised in phase {phase}; the first: {first[-600:]}")
+        return answers
 
     def _check_left(self, what: str) -> None:
         if self.left() <= 0:

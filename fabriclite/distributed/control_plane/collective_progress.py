@@ -10,15 +10,15 @@ from fabriclite.distributed.control_plane import keys
 
 
 #: the longest and shortest time between two of a rank's records (seconds)
-MOST_INTERVAL_S, LEAST_INTERVAL_S = 60.0, 1.0
+MOST_INTERVAL_S, LEAST_INTERVAL_S = 120.0, 1.0
 
 
 def publish_interval(timeout_s: float) -> float:
-    """How often a rank publishes its counts under collective timeout ``timeout_s``: a thirtieth of it, between 1 s
-    and 60 s. The records are read only after a collective failed, which takes the timeout; a stuck rank's counts
-    do not move, so a record that old is still its last word, and a large job at the default 30-minute timeout
-    sends one record per rank per minute instead of one per second."""
-    return min(MOST_INTERVAL_S, max(LEAST_INTERVAL_S, timeout_s / 30.0))
+    """How often a rank publishes its counts under collective timeout ``timeout_s``: a fifteenth of it, between 1 s
+    and 120 s. The records are read only after a collective failed, which takes the timeout; a stuck rank's counts
+    do not move, so a record that old is still its last word, and a job at the default 30-minute timeout sends one
+    record per rank every 2 minutes instead of one per second."""
+    return min(MOST_INTERVAL_S, max(LEAST_INTERVAL_S, timeout_s / 15.0))
 
 
 def publish(store: Any, rank: int, record: Dict[str, Any]) -> None:

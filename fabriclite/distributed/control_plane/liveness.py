@@ -13,8 +13,9 @@ from typing import Any, Callable, Dict, Optional
 
 from fabriclite.distributed.control_plane import failure_flag, keys, polling
 
-#: how often each supervisor pulses (and so reads the failure flag)
-PULSE_S = 1.0
+#: how often each supervisor pulses (and so reads the failure flag): a failure is seen everywhere within it, and
+#: with the ranks' progress records and the straggler reports a node sends at most ~1 request per second
+PULSE_S = 1.5
 POLL_S = 0.05
 #: how long node 0 keeps the store up after a failure, for the other nodes to read it
 LINGER_S = 3.0
