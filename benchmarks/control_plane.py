@@ -48,9 +48,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--memory-rate", type=float, default=100.0, help="steps/s while counting to --memory-steps")
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--window", type=int, default=50, help="straggler window (steps; the default's)")
-    parser.add_argument("--zero-first-every", type=int, default=1000, help="a rank_zero_first block every N steps")
+    parser.add_argument("--zero-first-every", type=int, default=2500, help="a rank_zero_first block every N steps")
     parser.add_argument("--processes", type=int, default=4, help="worker processes (node 0 alone in one)")
     parser.add_argument("--threads", type=int, default=4, help="threads per worker process")
+    parser.add_argument("--run-past-cap", action="store_true",
+                        help="run a side at larger N even after its rendezvous did not finish within the cap")
     parser.add_argument("--results", default=os.path.join(RESULTS, "control_plane.md"))
     parser.add_argument("--json", default=None, help="also write the raw figures here")
     parser.add_argument("--plot", default=None, help="a PNG of each time against N")
@@ -74,14 +76,21 @@ def main() -> int:
 
     results = Results("control_plane")
     runs: List[Dict[str, Any]] = []
+    capped: Dict[str, int] = {}  # side -> the N at which its rendezvous did not finish within the cap
     for nodes in args.node_counts:
         conns = rank_connections(nodes, args.ranks_per_node)
         for side in args.side_list:
+            if side in capped and not args.run_past_cap:
+                runs.append({"side": side, "nodes": nodes, "rank_conns": 0, "notes": [
+                    f"not run: its rendezvous did not finish within the cap at {capped[side]} nodes"]})
+                continue
             print(f"control_plane: {side} at {nodes} nodes ...", flush=True)
             t = time.monotonic()
             run = Trial(side, nodes, args, conns if side == "fabriclite" else 0).run()
             run["load_after"] = os.getloadavg()[0]
             runs.append(run)
+            if run.get("rendezvous_s") is None:
+                capped[side] = nodes
             print(f"  {time.monotonic() - t:.0f} s: " + json.dumps({k: v for k, v in run.items()
                                                                   if k not in ("memory",)}, default=str)[:1500],
                   flush=True)

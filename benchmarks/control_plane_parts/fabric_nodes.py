@@ -234,7 +234,7 @@ class FabricNodes:
                 decisions.append(decision)
                 n.round += 1
                 decided.mark(n.node)
-                if decision is not None:  # the next round: the supervisor watches it
+                if decision is not None or preempted:  # the next round (after a preemption: the memory phase's)
                     n.running = True
                     self.loop.soon(n.pulse_chain(), random.uniform(0, liveness.PULSE_S))
             self.loop.soon(n.agreement_chain(able, done))

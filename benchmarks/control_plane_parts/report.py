@@ -13,6 +13,25 @@ TIMES = (("rendezvous_s", "rendezvous (every rank / agent has met)"),
          ("preempt_s", "one node preempted -> every node has agreed to stop"))
 
 
+READING = """- Each side's figures come from its real protocol code on a real libuv TCPStore in a process of its own;
+  the nodes are simulated, thousands per worker process, on this machine's 2 cores (shared with whatever else
+  runs: the load average is in the table). A simulated node's own work (its supervisor's or agent's CPU) is
+  therefore done on those 2 cores for every node at once, where a real cluster gives each node its own machine;
+  the model's lag (how late a scheduled task started) says when that CPU, not the protocol, set the pace.
+- torchelastic's agents keep one rendezvous state, pickled, with every node in it, behind one key: every agent's
+  read returns all of it, and every change is a compare-and-set of all of it that fails and is retried when
+  another agent changed it first. Its time and its lag grow with N for that reason, on the store and in the
+  agents alike; on a real cluster the agents' share of that work would be spread over N machines, so the model
+  overstates its times by up to the lag shown.
+- "> cap": the phase did not finish within the cap; a side whose rendezvous did not finish at some N is not run
+  at larger N (recorded as "> cap" there too). A "> cap" is never counted as a win for that side.
+- Order at each N: connections, rendezvous, steady state at each step rate, a failure and the restart, (fabriclite)
+  a preemption, then the memory phase (its 10,000 steps run in the round after the preemption, pulses and all).
+- fabriclite's failure -> stopped: the moment each node's supervisor saw the flag (when it would signal its
+  ranks); next round: each node has the decision (when it would start its ranks). torchelastic's: each agent
+  saw a node waiting (it would stop its workers), then each finished the next round's rendezvous."""
+
+
 def _get(run: Optional[Dict[str, Any]], path: str) -> Any:
     value: Any = run
     for part in path.split("."):
@@ -117,10 +136,17 @@ def write(results: Results, args: Any, runs: List[Dict[str, Any]]) -> None:
         rows.append([f"... growth per 1,000 steps after step 2,000, {side}"] +
                     [_cell(by.get((side, n)), "memory.keys_growth_per_1000", "{:+.0f}") for n in nodes])
     for side in sides:
-        rows.append([f"the model's worst lag (a task started late by, s), {side}"] +
-                     [_cell(by.get((side, n)), "rendezvous_lag_max_s", "{:.2f}") for n in nodes])
+        rows.append([f"the model's worst lag in the rendezvous (a task started late by, s), {side}"] +
+                    [_cell(by.get((side, n)), "rendezvous_lag_max_s", "{:.2f}") for n in nodes])
+        rows.append([f"... in the failure and restart (s), {side}"] +
+                    [_cell(by.get((side, n)), "failure_lag_max_s", "{:.2f}") for n in nodes])
+        rows.append([f"connections opened in (s), {side}"] +
+                    [_cell(by.get((side, n)), "connect_s", "{:.1f}") for n in nodes])
+        rows.append([f"load average (1 min) after the run, {side}"] +
+                    [_cell(by.get((side, n)), "load_after", "{:.1f}") for n in nodes])
     notes = [f"- {r['side']} at {r['nodes']} nodes: {note}" for r in runs for note in r.get("notes", [])]
-    body = "\n\n".join([header, "## Goals", "\n".join(goals(runs, args)), "## Figures", table(head, rows)] +
+    body = "\n\n".join([header, "## Goals", "\n".join(goals(runs, args)), "## Figures", table(head, rows),
+                         "## How to read it", READING] +
                        (["## Notes", "\n".join(notes)] if notes else []))
     with open(args.results, "w") as f:
         f.write(body + "\n")

@@ -68,8 +68,6 @@ class Trial:
                     "lag_max_s": max(a["lag_max_s"] for a in answers),
                     "split": _sum_split(answers, until - start)}
                 self._check_left("steady state")
-            # memory over 10,000 steps
-            r["memory"] = self._memory(workers, host)
             # a failure: every node stopped, then the next round agreed
             start = time.monotonic() + 1.0
             answers = self._run(workers, "failure", start=start, node=self.nodes - 1, deadline=self.deadline)
@@ -88,6 +86,8 @@ class Trial:
                     raise _Capped("the preemption agreement did not finish")
                 r["preempt_s"] = _spread(merge_times(answers), start)
                 r["preempt_decisions"] = sorted({str(d) for a in answers for d in a.get("decisions", [])})
+            # memory over 10,000 steps, last (on a loaded machine the model may fall behind its step rate here)
+            r["memory"] = self._memory(workers, host)
         finally:
             r["workers_rss_mb_end"] = workers.rss_mb()
             workers.close()

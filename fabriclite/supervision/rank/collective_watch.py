@@ -18,7 +18,6 @@ from fabriclite.distributed.control_plane import collective_progress, failure_fl
 from fabriclite.supervision.rank import progress as rank_progress
 from fabriclite.supervision.rank.child import PEER_LOST_MARKERS, SUPERVISOR_PID_ENV
 
-#: how often each rank publishes its counts (seconds)
 #: after a lost peer, how long to wait for the supervisor to report which rank failed
 SUPERVISOR_REPORT_WAIT_S = 2.0
 _TIMEOUT_MARKERS = ("timed out", "timeout")
