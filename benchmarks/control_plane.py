@@ -53,6 +53,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=4, help="threads per worker process")
     parser.add_argument("--run-past-cap", action="store_true",
                         help="run a side at larger N even after its rendezvous did not finish within the cap")
+    parser.add_argument("--from-json", default="",
+                        help="write the results from these --json files (comma-separated) instead of running")
     parser.add_argument("--results", default=os.path.join(RESULTS, "control_plane.md"))
     parser.add_argument("--json", default=None, help="also write the raw figures here")
     parser.add_argument("--plot", default=None, help="a PNG of each time against N")
@@ -76,6 +78,11 @@ def main() -> int:
 
     results = Results("control_plane")
     runs: List[Dict[str, Any]] = []
+    for path in filter(None, args.from_json.split(",")):  # runs made earlier, by separate invocations
+        with open(path) as f:
+            runs += [r for r in json.load(f) if r["side"] in args.side_list]
+    if args.from_json:
+        args.node_counts = []
     capped: Dict[str, int] = {}  # side -> the N at which its rendezvous did not finish within the cap
     for nodes in args.node_counts:
         conns = rank_connections(nodes, args.ranks_per_node)
@@ -88,6 +95,8 @@ def main() -> int:
             t = time.monotonic()
             run = Trial(side, nodes, args, conns if side == "fabriclite" else 0).run()
             run["load_after"] = os.getloadavg()[0]
+            run["command"] = results.command
+            run["date"] = time.strftime("%Y-%m-%d %H:%M")
             runs.append(run)
             if run.get("rendezvous_s") is None:
                 capped[side] = nodes

@@ -145,6 +145,8 @@ def write(results: Results, args: Any, runs: List[Dict[str, Any]]) -> None:
         rows.append([f"load average (1 min) after the run, {side}"] +
                     [_cell(by.get((side, n)), "load_after", "{:.1f}") for n in nodes])
     notes = [f"- {r['side']} at {r['nodes']} nodes: {note}" for r in runs for note in r.get("notes", [])]
+    made = sorted({(r["command"], r["date"][:10]) for r in runs if r.get("command")})
+    notes += [f"- runs made by `{command}` ({date})" for command, date in made]
     body = "\n\n".join([header, "## Goals", "\n".join(goals(runs, args)), "## Figures", table(head, rows),
                          "## How to read it", READING] +
                        (["## Notes", "\n".join(notes)] if notes else []))
