@@ -48,28 +48,31 @@ def test_every_rank_checks_in_and_node_0_leaves_once_the_others_ended():
     store = HashStore()
     job = meeting.job_view(store)
     on_nodes(4, lambda r: meeting.wait_for_ranks(job, keys.ARRIVED, r, 4, timedelta(seconds=20)))
-    assert meeting.missing_ranks(job, keys.ARRIVED, 5) == [4]
-    liveness.beat(job, 1)
+    assert job.add(f"{keys.ARRIVED}/count", 0) == 4
+    assert meeting.missing_ranks(job, keys.ARRIVED, 4) == [0, 1, 2, 3]  # each deleted its own key once all arrived
+    assert liveness.pulse(job) is None
     left: List[int] = []
     on_nodes(3, lambda n: (liveness.leave(job, n, 3, False, lambda: False), left.append(n)))
-    assert sorted(left) == [0, 1, 2] and job.add(keys.beat(1), 0) == 1
+    assert sorted(left) == [0, 1, 2] and job.add(keys.ENDED, 0) == 3 and job.add(keys.PULSE, 0) == 1
 
 
 def test_straggler_reports_and_collective_progress_round_trip():
     job = meeting.job_view(HashStore(), 1)
+    collector = straggler_reports.Collector(2)
     assert straggler_reports.publish(job, 7, 0, {0: 0.01, 1: 0.02})
-    assert straggler_reports.collect(job, 7, 2) is None  # node 1 has not reported window 7 yet
+    assert collector.collect(job, 7) == []  # node 1 has not reported window 7 yet
     straggler_reports.publish(job, 7, 1, {2: 0.03})
-    assert straggler_reports.collect(job, 7, 2) == {0: 0.01, 1: 0.02, 2: 0.03}
+    assert collector.collect(job, 8) == [{0: 0.01, 1: 0.02, 2: 0.03}]
     assert collective_progress.read(job, 2) is None
     collective_progress.publish(job, 2, {"counts": {"0,1,2": [4, "all_reduce"]}, "time": 1.0, "left": False})
     assert collective_progress.read(job, 2)["counts"] == {"0,1,2": [4, "all_reduce"]}
 
 
 def test_every_key_has_one_name():
-    names = [keys.FAILURE, keys.ARRIVED, keys.beat(1), keys.ended(1), keys.restart_report(0, 1),
-             keys.restart_decision(0), keys.straggler_report(2, 1), keys.collective_progress(1),
-             keys.rank_zero_first(3), keys.rank_zero_first(3, 1)]
+    names = [keys.FAILURE, keys.ARRIVED, keys.PULSE, keys.ENDED, keys.restart_reports(0),
+             keys.restart_decision(0), keys.straggler_report(2, 1), keys.straggler_report(3, 1),
+             keys.collective_progress(1), keys.rank_zero_first(3), keys.rank_zero_first(3, 1),
+             keys.readers(keys.rank_zero_first(3))]
     assert len(set(names)) == len(names)
     assert keys.round_part(0) == "" and keys.round_part(2) == "round2"
 
