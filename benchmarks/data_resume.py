@@ -7,7 +7,7 @@ discarded) and against torchdata's StatefulDataLoader on the same dataset.
 writes benchmarks/results/data_resume.md (``--results PATH`` elsewhere). One process (1 rank), 2 DataLoader workers
 (fork), batch 4; the datasets hold ``--samples`` >= 10,000 x batch x ranks samples, each costing ``--work-us`` of
 sleep to produce (the Hugging Face stream: its own per-example cost); the Hugging Face stream is made of shards of
-1,000 examples. Each wait is the best of 5 resumes (replay: one); "batch time" is a pass's time per batch. Goals:
+1,000 examples. Each wait is the best of 5 resumes (replay: one pass); "batch time" is a pass's time per batch. Goals:
 the stateful kinds stay flat (the wait at batch 10,000 within the wait at batch 100 plus 2 batch times, plus the
 re-read of the current shard for Hugging Face); replay grows linearly.
 """
@@ -87,24 +87,27 @@ def first_index(batch: Any) -> int:
     return int(torch.as_tensor(data).reshape(-1)[0])
 
 
-def measure(make: Callable[[], Any], save: Callable[[Any], Any], load: Callable[[Any, Any], None]
-            ) -> Tuple[float, Dict[int, float], Dict[int, int]]:
-    """One pass to batch 10,000 taking the state at each position (the batch time: the pass's time per batch), then
-    the best of REPEATS resumes at each position: ``(batch time s, position -> wait s, position -> first index)``."""
-    loader = make()
-    states, expected = {}, {}
+def measure(make: Callable[[], Any], save: Callable[[Any], Any], load: Callable[[Any, Any], None],
+            resume: bool = True) -> Tuple[float, Dict[int, float], Dict[int, float]]:
+    """One pass from a fresh loader to batch 10,000 + 1, taking the state at each position, then the best of REPEATS
+    resumes at each position: ``(batch time s, position -> wait s, position -> replay's wait s)``. The pass is a replay:
+    from its start (the workers' too) to the batch after a position is what producing and discarding the batches up
+    to it costs; the batch time is the pass's time per batch."""
+    states, expected, replayed = {}, {}, {}
     started = time.perf_counter()
+    loader = make()
     iterator = iter(loader)
     for batch_number in range(1, POSITIONS[-1] + 2):
         batch = next(iterator)
         if batch_number - 1 in states:
             expected[batch_number - 1] = first_index(batch)
+            replayed[batch_number - 1] = time.perf_counter() - started
         if batch_number in POSITIONS:
             states[batch_number] = save(loader)
     per_batch = (time.perf_counter() - started) / (POSITIONS[-1] + 1)
     del iterator, loader
     waits: Dict[int, float] = {}
-    for position in POSITIONS:
+    for position in POSITIONS if resume else ():
         best = float("inf")
         for _ in range(REPEATS):
             fresh = make()
@@ -115,21 +118,7 @@ def measure(make: Callable[[], Any], save: Callable[[Any], Any], load: Callable[
             assert first_index(batch) == expected[position], (position, first_index(batch), expected[position])
             del fresh
         waits[position] = best
-    return per_batch, waits, expected
-
-
-def replay(make: Callable[[], Any]) -> Dict[int, float]:
-    """Replay's wait: a fresh iterator, its first ``position`` batches produced and discarded, then the next."""
-    waits = {}
-    for position in POSITIONS:
-        loader = make()
-        began = time.perf_counter()
-        iterator = iter(loader)
-        for _ in range(position + 1):
-            next(iterator)
-        waits[position] = time.perf_counter() - began
-        del iterator, loader
-    return waits
+    return per_batch, waits, replayed
 
 
 def shard_read(length: int) -> float:
@@ -190,13 +179,9 @@ def main() -> None:
     reread = shard_read(n)
     for name, dataset in datasets_of.items():
         stateless = "without" in name
-        if stateless:  # fabriclite replays it: its wait is replay's (a fabriclite loader's first batches discarded)
-            started = time.perf_counter()
-            waits = replayed = replay(fabriclite_loader(dataset))
-            per_batch = (time.perf_counter() - started) / sum(p + 1 for p in POSITIONS)
-        else:
-            per_batch, waits, _ = measure(fabriclite_loader(dataset), save, load)
-            replayed = replay(lambda d=dataset: DataLoader(d(), **options))
+        per_batch, waits, replayed = measure(fabriclite_loader(dataset), save, load, resume=not stateless)
+        if stateless:  # fabriclite replays it: its wait is replay's
+            waits = replayed
         peer = measure(torchdata_loader(dataset), save, load)[1] if not stateless else None
         ms = [f"{waits[p] * 1e3:.1f}" for p in POSITIONS]
         rows.append([name, "fabriclite" + (" (replay)" if stateless else ""), *ms, f"{per_batch * 1e3:.2f}"])
@@ -220,12 +205,14 @@ def main() -> None:
                   "batch time (ms)"], rows)
     body += "\n\n" + "\n".join(goals)
     body += ("\n\nThe wait is from `load_state_dict` on a fresh loader to its first batch (starting its 2 workers "
-             f"included), the best of {REPEATS} (replay: one run); each resumed first batch is checked against the "
-             "uninterrupted pass's. "
+             f"included), the best of {REPEATS}; each resumed first batch is checked against the "
+             "uninterrupted pass's. Replay's wait is the time of the uninterrupted pass through fabriclite's loader "
+             "from its creation to the batch after the position (what producing and discarding the batches before "
+             "costs). "
              "fabriclite's rows go through `fabric.setup_dataloaders` (1 rank): the map-style set skips batches in "
              "the sampler, the stateful stream loads each worker's own state, the Hugging Face stream resumes each "
              "shard from its own state (re-reading the current shard up to its offset), the stream without a state "
-             "is replayed. The replay rows iterate a plain DataLoader of the same dataset.")
+             "is replayed.")
     print(body)
     results.write(body, extra=[("dataset", f"{n} samples, batch {args.batch}, {args.workers} workers (fork), "
                                            f"{work:g} us of work per sample (not for Hugging Face); Hugging Face "
