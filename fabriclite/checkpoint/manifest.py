@@ -81,14 +81,19 @@ def save_recorded(strategy: Any, path: PathLike, state: Mapping[str, Any], filte
     def begin() -> Tuple[str, str, str]:
         rid = rendezvous.run_id()
         loaded = lineages.lineage(directory) if lineages is not None else None
-        with _Lock(directory):
-            manifest = read_manifest(directory) or _empty()
-            chosen = lineage.choose(loaded, manifest["checkpoints"], rid)
+        chosen = lineage.choose(loaded, (read_manifest(directory) or _empty())["checkpoints"], rid)
+        try:
+            with _Lock(directory):
+                manifest = read_manifest(directory) or _empty()
+                if lineages is not None:
+                    lineages.locks.hold(directory)
+                pending = [p for p in manifest.get("pending", [])
+                           if not (p["name"] == name and p.get("writer") == me)]
+                pending.append({"name": name, "run_id": rid, "lineage": chosen, "time": time.time(), "writer": me})
+                write_manifest(directory, {**manifest, "pending": pending}, rid)
+        except OSError:  # a full disk or a quota: the save itself fails next, naming its file and the cause
             if lineages is not None:
-                lineages.locks.hold(directory)
-            pending = [p for p in manifest.get("pending", []) if not (p["name"] == name and p.get("writer") == me)]
-            pending.append({"name": name, "run_id": rid, "lineage": chosen, "time": time.time(), "writer": me})
-            write_manifest(directory, {**manifest, "pending": pending}, rid)
+                lineages.locks.release(directory)
         return rid, f"{rid}-{writers.token(me)}", chosen
 
     # rank 0's run id, writer and lineage, on every rank: the tag names the temporaries every rank writes (a
@@ -245,11 +250,15 @@ def write_manifest(directory: str, manifest: Dict[str, Any], rid: str) -> None:
         return
     os.makedirs(directory, exist_ok=True)
     tmp = tmp_name(directory, MANIFEST, rid, f"{writers.token(writers.me())}-{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    swap_in(tmp, os.path.join(directory, MANIFEST))
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        swap_in(tmp, os.path.join(directory, MANIFEST))
+    except BaseException:
+        remove_path(tmp)  # a full disk: no temporary left beside the manifest
+        raise
 
 
 def remove_stray_temporaries(directory: str, rid: str) -> None:
