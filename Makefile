@@ -52,6 +52,9 @@ bench: venv
 	$(PY) benchmarks/fault_tolerance.py
 	$(PY) benchmarks/data_resume.py
 	$(PY) benchmarks/control_plane.py --plot docs/control_plane.png
+	$(MAKE) --no-print-directory env-ft
+	"$$($(BACKEND_ENV) ft --path)/bin/python" benchmarks/slow_links.py   # root: network namespaces and tc
+	$(PY) benchmarks/slow_links.py --plot docs/slow_links_benchmark.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
