@@ -116,3 +116,15 @@ def test_fragments_are_contiguous_runs_of_about_equal_size():
     assert [n for n, _ in fragments_of(frozen, 1)[0].named_parameters()] == ["weight"]
     with pytest.raises(ValueError, match=r"fragments=7, but the model has only 6 trainable parameter tensors"):
         fragments_of(model, 7)
+
+
+def test_under_fault_tolerant_a_script_may_choose_diloco_but_not_contradict_the_flag(monkeypatch):
+    from fabriclite.connector import CLI_ENV
+
+    monkeypatch.setenv(CLI_ENV["strategy"], "fault_tolerant")  # `fabriclite run --fault-tolerant`, no --strategy
+    for strategy in ("diloco", DiLoCoStrategy(sync_every=10), LocalSGDStrategy()):
+        with pytest.raises(ValueError, match=r"strategy='(diloco|local_sgd)' (needs torchft|runs in a script)"):
+            Fabric(accelerator="cpu", strategy=strategy)  # accepted by the CLI check; then this process is no rank
+    monkeypatch.setenv(CLI_ENV["strategy"], "diloco")
+    with pytest.raises(ValueError, match=r"conflicts with `fabriclite run --strategy diloco`"):
+        Fabric(accelerator="cpu", strategy="local_sgd")
