@@ -140,12 +140,16 @@ def report(data: Dict[str, Any], results: Results) -> str:
                 continue
             ref = runs.get(f"diloco50@{rate}")
             gap = stall(entry, ref)
+            plain = entry["plain_step_s"]
             rows.append([RATES[rate], SCHEMES[scheme][0], f"{entry['samples_s']:.1f}",
                          f"{entry['mb_per_step']:.2f}", "n/a" if gap is None else f"{gap:.2f} s",
+                         "every step syncs" if plain is None else f"{plain:.2f} s",
                          f"{entry['eval_loss']:.3f}", f"{entry['steps']}{' (capped)' if entry['capped'] else ''}"])
     body = ["## Throughput, traffic and loss", "",
-            table(["link", "scheme", "samples/s", "MB sent per step (per host)", "stall per sync", "eval loss",
-                   "steps"], rows)]
+            table(["link", "scheme", "samples/s", "MB sent per step (per host)", "stall per sync",
+                   "step without a sync (median)", "eval loss", "steps"], rows), "",
+            "The step without a sync is compute alone: where it differs between runs of one scheme, the machine's "
+            "load changed the compute, not the link (compare samples/s within a run's own row first)."]
     ran = sorted({key.split("@")[1] for key in runs}, key=list(RATES).index)
     missing = [f"{scheme}@{rate}" for rate in RATES for scheme in SCHEMES if f"{scheme}@{rate}" not in runs]
     if missing:
@@ -219,9 +223,13 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated scheme@rate runs instead of the grid")
     parser.add_argument("--keep", action="store_true", help="add to the JSON's runs instead of starting over")
     parser.add_argument("--plot", default=None, help="only draw the plot from the JSON into this PNG")
+    parser.add_argument("--report-only", action="store_true", help="only write the results file from the JSON")
     args = parser.parse_args()
     if args.plot:
         plot(json.loads(JSON.read_text()), args.plot)
+        return
+    if args.report_only:
+        write_report(json.loads(JSON.read_text()), Results("slow_links"))
         return
     from cluster import Cluster, unavailable_reason
 
@@ -250,8 +258,10 @@ def main() -> None:
                 JSON.write_text(json.dumps(data, indent=1))
     finally:
         cluster.down()
-    import torchft  # noqa: F401 - its version goes into the header
+    write_report(data, results)
 
+
+def write_report(data: Dict[str, Any], results: Results) -> None:
     results.write(report(data, results), extra=[
         ("interpreter", "the ft lane's: `$(bash scripts/backend_env.sh ft --path)/bin/python`"),
         ("torchft", "0.2.0"),

@@ -259,9 +259,10 @@ class LowCommunicationStrategy(FaultTolerantStrategy):
             raise ValueError(f"strategy={self.name!r}: set up the model first (fabric.setup(model, optimizer)).")
         if self._sync is not None:
             raise ValueError(f"strategy={self.name!r} takes one (inner) optimizer; got a second one.")
-        from fabriclite.strategies import torchft_sync
+        fragments = fragments_of(self._module, self.settings.fragments) if self.scheme == "diloco" else None
+        from fabriclite.strategies import torchft_sync  # imports torchft
 
-        self._sync = torchft_sync.build(self.manager, self._module, optimizer, self.settings)
+        self._sync = torchft_sync.build(self.manager, self._module, optimizer, self.settings, fragments)
         return optimizer
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:

@@ -131,14 +131,16 @@ class LocalSGDSync(LocalSGD):
         self.__exit__(None, None, None)
 
 
-def build(manager: SyncManager, module: nn.Module, optimizer: Optimizer, settings: Settings) -> Any:
-    """The entered LocalSGD / DiLoCo context of ``settings.scheme`` (its hooks on ``optimizer.step``; DiLoCo has
-    copied the global weights and registered its fragments' state with the Manager)."""
+def build(manager: SyncManager, module: nn.Module, optimizer: Optimizer, settings: Settings,
+          fragments: Optional[List[nn.Module]] = None) -> Any:
+    """The entered LocalSGD / DiLoCo context of ``settings.scheme`` (its hooks on ``optimizer.step``; DiLoCo, on
+    ``fragments`` (default: :func:`fragments_of` the module), has copied the global weights and registered its
+    fragments' state with the Manager)."""
     manager.buffers = [buffer for buffer in module.buffers() if buffer.is_floating_point()]
     if settings.scheme == "local_sgd":
         sync: Any = LocalSGDSync(manager, module, optimizer, settings.sync_every)
     else:
-        fragments = fragments_of(module, settings.fragments)
+        fragments = fragments or fragments_of(module, settings.fragments)
         sync = DiLoCoSync(manager, fragments, optimizer, [settings.outer(list(f.parameters())) for f in fragments],
                           settings.sync_every, should_quantize=settings.should_quantize,
                           fragment_sync_delay=settings.fragment_sync_delay,
