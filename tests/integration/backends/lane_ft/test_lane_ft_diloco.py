@@ -9,9 +9,9 @@ its real lighthouse and local nodes, each its own ``fabriclite run`` with one ra
   hand (diloco_by_hand.py), bit for bit; LocalSGD trains and ends with the groups' weights equal. These jobs run
   at the same time.
 
-Time (the 2-core machine shared with other test runs, load average 14-22): the kill run took 126-201 s, the three
-jobs together 131 s; the file 4.5-5.5 min there (start-up is most of it: ~35-70 s per rank under that load). Each
-job is bounded at 480 s, over 2x the slowest measured.
+Time (the 2-core machine shared with other test runs, load average 13-22): the kill run took 87-201 s, the three
+jobs together 37-131 s; the file 2.1-5.5 min there (start-up is most of it: ~35-70 s per rank under that load).
+Each job is bounded at 480 s, over 2x the slowest measured.
 """
 from __future__ import annotations
 
@@ -62,10 +62,15 @@ def assert_ok(nodes: List) -> None:
         assert node.code == 0, f"node {node.rank} exited {node.code}:\n{node.output[-4000:]}"
 
 
-def assert_trains(out: Path, group: int) -> None:
-    losses = [loss for _, _, loss in rows(out, group)]
-    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
-    assert last < 0.8 * first, f"group {group} did not train: loss {first:.3f} -> {last:.3f}"
+def assert_trains(out: Path, groups) -> None:
+    """The loss of the job's first 4 iterations (whichever groups made them: a group that started late was healed
+    to the others' iteration) against its last 4."""
+    every = [row for group in groups for row in rows(out, group)]
+    end = max(i for i, _, _ in every)
+    first = [loss for i, _, loss in every if i <= 4]
+    last = [loss for i, _, loss in every if i > end - 4]
+    mean_first, mean_last = sum(first) / len(first), sum(last) / len(last)
+    assert mean_last < 0.8 * mean_first, f"the job did not train: loss {mean_first:.3f} -> {mean_last:.3f}"
 
 
 @pytest.mark.slow
@@ -77,8 +82,7 @@ def test_streaming_diloco_heals_a_group_killed_inside_a_sync(tmp_path: Path) -> 
     nodes = wait_nodes(start_nodes(tmp_path, 24, args=args, env=env, script=TRAIN), RUN_TIMEOUT_S)
     assert_ok(nodes)
     assert "1 of 1 restarts used" in nodes[2].output, nodes[2].output[-3000:]
-    for group in (0, 1):
-        assert_trains(tmp_path, group)
+    assert_trains(tmp_path, (0, 1, 2))
 
     # group 2 died inside iteration `died`'s sync (its all-reduces issued, then SIGKILL): its peers' sync of that
     # fragment completes one iteration later (delay 1), and must not commit; the next one commits
@@ -157,7 +161,7 @@ def test_diloco_matches_torchfts_by_hand_and_local_sgd_trains(tmp_path: Path) ->
         ours = load(tmp_path / "fabriclite" / f"final-{group}.pt")
         theirs = load(tmp_path / "by_hand" / f"final-{group}.pt")
         assert same(ours, theirs), f"group {group}: fabriclite's DiLoCo differs from torchft's by hand"
-    assert_trains(tmp_path / "fabriclite", 0)
+    assert_trains(tmp_path / "fabriclite", (0, 1))
     # LocalSGD: the groups trained apart and ended on one average
-    assert_trains(tmp_path / "local_sgd", 0)
+    assert_trains(tmp_path / "local_sgd", (0, 1))
     assert same(load(tmp_path / "local_sgd" / "final-0.pt"), load(tmp_path / "local_sgd" / "final-1.pt"))
