@@ -51,13 +51,11 @@ MAX_LAUNCHES = 200 if SOAK else 40
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600 if SOAK else 900)]
 
 
-def _plan(rng: random.Random, known: int) -> List[list]:
-    """1 or 2 faults (rounds 0 and 1 of the launch) a few steps past the newest step seen; round 1's past round
-    0's (round 1 resumes before it)."""
+def _plan(rng: random.Random, known: int, restarts: int) -> List[list]:
+    """One fault in each round the launch may run (``restarts`` + 1), a few steps past the newest step seen; a
+    round's past the round's before (it resumes before that): a launch with faults ends unfinished."""
     faults = []
-    for round_ in (0, 1):
-        if round_ == 1 and rng.random() < 0.5:
-            break
+    for round_ in range(restarts + 1):
         kind = rng.choice(KINDS)
         step = known = min(STEPS - 1, known + rng.randint(1, 8))
         if kind in ("kill_in_save", "kill_in_record"):
@@ -155,10 +153,10 @@ def test_a_seeded_storm_of_faults_ends_with_the_uninterrupted_weights_every_samp
     known, started = 0, time.monotonic()
     for launch in range(MAX_LAUNCHES):
         storming = time.monotonic() - started < STORM_S or launch < MIN_STORM_LAUNCHES
-        faults = _plan(rng, known) if storming else []
+        restarts = rng.choice((0, 0, 1)) if storming else 1
+        faults = _plan(rng, known, restarts) if storming else []
         cut = _truncate_newest(ckpt, damaged) if storming and rng.random() < 0.3 else None
         background = storming and rng.random() < 0.3
-        restarts = rng.choice((0, 0, 1)) if storming else 1  # mostly: a fault ends the launch, which is launched again
         env = {**common, "CKPT_DIR": str(ckpt), "OUT": str(tmp_path / "w.pt"), "SAMPLES": str(samples),
                "LAUNCH": str(launch), "FAULTS": json.dumps(faults), "ASYNC": "1" if background else "0",
                "FABRICLITE_HANG_TIMEOUT": "5", "FABRICLITE_LOG_DIR": str(tmp_path / "logs")}
