@@ -34,8 +34,8 @@ from sample_accounting import account, check_epochs
 
 SCRIPT = os.path.join(HERE, "storm_script.py")
 SOAK = os.environ.get("STRESS_SOAK") == "1"
-#: how long faults are injected; then launches run clean until one finishes. STORM_S gives ~6-9 launches on the
-#: shared 2-core machine (one launch: 5-10 s of start-up, then the steps); the whole test took TOOK_S there
+#: how long faults are injected; then launches run clean until one finishes. Measured on the shared 2-core machine:
+#: 9 launches in 108 s at load 6-14 (seed 5); 2-4 launches in 150-300 s at load 16-35 (each launch's start-up grows)
 STORM_S = float(os.environ.get("STORM_SECONDS", 300 if SOAK else 60))
 #: launches with faults, however long they take (a loaded machine gets fewer launches into STORM_S)
 MIN_STORM_LAUNCHES = 3
