@@ -75,7 +75,7 @@ class SnapshotStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         resume, self.resume = (self.resume or {}).get(worker), None
-        if resume == ENDED:
+        if isinstance(resume, str) and resume == ENDED:
             return
         stream = self.source.stream(worker, workers, resume)
         iterator = iter(stream)
