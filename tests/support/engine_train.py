@@ -115,11 +115,14 @@ def main(settings: Optional[Mapping[str, Any]] = None) -> None:
 
 def _process_start() -> float:
     """This process's start, Unix time (Linux /proc; 10 ms resolution): the recovery benchmark's parts."""
+    # /proc/stat's btime is whole seconds (up to 1 s off); /proc/uptime is read now, at 10 ms, on the same clock as
+    # the start ticks, so the start is placed on time.time()'s scale from the time since it.
     with open("/proc/self/stat") as f:
         ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    now = time.time()
+    return now - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def _first_kill(log_dir: str) -> bool:
