@@ -33,9 +33,12 @@ class Streams:
     def __init__(self, loader: DataLoader, strategy: Any) -> None:
         self.loader, self.strategy = loader, strategy
         self.world_size, self.rank = int(strategy.world_size), int(strategy.global_rank)
-        self.num_workers = int(loader.num_workers)
+        # a loader that is not a DataLoader (torch_xla's MpDeviceLoader, which the xla strategy's loaders are) has no
+        # dataset or workers of its own here: its stream, if any, is not tracked, as before streams were
+        plain = hasattr(loader, "dataset") and hasattr(loader, "num_workers")
+        self.num_workers = int(loader.num_workers) if plain else 0
         self.torchdata = stream_position.is_torchdata_loader(loader)
-        self.kind = stream_position.stream_kind(loader, self.world_size)
+        self.kind = stream_position.stream_kind(loader, self.world_size) if plain else None
         if self.torchdata and self.kind == "shards":
             self.kind = "stateful"  # torchdata runs the stream with its own states: fabriclite deals no shards
         self.ignore = False
