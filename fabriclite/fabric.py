@@ -394,7 +394,7 @@ class Fabric:
         with elastic.one_warning(self.global_rank == 0):
             remainder = self._strategy.load_checkpoint(path, unwrapped, strict=strict, weights_only=weights_only)
         if self.global_rank == 0:
-            self._lineages.loaded(os.fspath(path))  # a later save(..., keep=K) there continues its lineage
+            manifest.note_loaded(self._lineages, os.fspath(path))  # a later keep= save continues its lineage
         if state is not None:
             live_recovery.keep_values(state, unwrapped)
         return remainder

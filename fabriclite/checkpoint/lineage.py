@@ -112,18 +112,10 @@ class Lineages:
         self._loaded: Dict[str, str] = {}
         self.locks = writers.WriterLock()
 
-    def loaded(self, path: str) -> None:
-        """Note the lineage of the checkpoint at ``path`` when its directory's manifest records it (call on global
-        rank 0 after loading it). An unreadable manifest notes nothing."""
-        from fabriclite.checkpoint import manifest
-
-        path = remote_paths.normalize(path)
-        directory, name = remote_paths.split(path)
-        try:
-            found = manifest.read_manifest(directory)
-        except (ValueError, OSError):
-            return
-        for entry in (found or {}).get("checkpoints", []):
+    def loaded(self, directory: str, name: str, recorded: List[Entry]) -> None:
+        """Note the lineage of checkpoint ``name`` of ``directory`` when ``recorded`` (its manifest's checkpoints)
+        holds it (``fabriclite.checkpoint.manifest.note_loaded`` reads them; global rank 0, after loading it)."""
+        for entry in recorded:
             if entry["name"] == name:
                 self._loaded[directory] = lineage_of(entry)
 

@@ -213,6 +213,19 @@ def on_rank_zero(strategy: Any, fn: Callable[[], Any]) -> Any:
     return answer[1]
 
 
+def note_loaded(lineages: lineage.Lineages, path: str) -> None:
+    """Note in ``lineages`` the lineage of the checkpoint at ``path`` when its directory's manifest records it (call
+    on global rank 0 after loading it), so a later ``save(..., keep=K)`` there continues it. An unreadable manifest
+    notes nothing."""
+    path = remote_paths.normalize(path)
+    directory, name = remote_paths.split(path)
+    try:
+        found = read_manifest(directory)
+    except (ValueError, OSError):
+        return
+    lineages.loaded(directory, name, (found or {}).get("checkpoints", []))
+
+
 def read_manifest(directory: str) -> Optional[Dict[str, Any]]:
     """``directory``'s manifest, or None when it has none; ValueError naming the file when it is not one."""
     path = remote_paths.join(directory, MANIFEST)
