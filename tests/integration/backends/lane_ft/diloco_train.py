@@ -11,7 +11,8 @@ that writes, under ``OUT`` (argv[1]), for its replica group ``g``:
                     of the group's last checkpoint (``FT_SAVE_EVERY``: each N steps to OUT/checkpoints-<g>)
 
 It trains ``STEPS`` (argv[2]) inner steps, then stops at the next step that ends a round of syncs once every group
-of ``FT_KILL_GROUP`` has come back. ``FT_KILL_GROUP`` / ``FT_KILL_STEP``: that group's rank SIGKILLs itself at the
+of ``FT_KILL_GROUP`` has come back and committed a sync since (``resynced-<g>``, written by that group: a group
+that came back late, after the others' ``STEPS``, still takes a sync with them before anyone stops). ``FT_KILL_GROUP`` / ``FT_KILL_STEP``: that group's rank SIGKILLs itself at the
 second all-reduce of the first sync after that step, in its first incarnation (the others are inside that sync's
 all-reduces). ``FT_BN=1`` puts a BatchNorm in the model.
 """
@@ -66,12 +67,12 @@ if group in kill_groups and fabric.restart_count == 0:
     manager.allreduce = dying_allreduce
 
 
-def all_back() -> bool:
-    def started(g: int) -> bool:
-        path = os.path.join(out, f"steps-{g}.txt")
-        return os.path.exists(path) and any(line.startswith("start 1 ") for line in open(path))
+def resynced(g: int) -> str:
+    return os.path.join(out, f"resynced-{g}")
 
-    return all(started(g) for g in kill_groups)
+
+def all_back() -> bool:
+    return all(os.path.exists(resynced(g)) for g in kill_groups)
 
 
 synced = strategy.sync_state()["manager"]["step"]
@@ -87,6 +88,8 @@ while not (state["step"] >= steps and state["step"] % settings.sync_every == 0 a
     if now != synced:
         synced = now
         torch.save(snapshot(), os.path.join(out, f"sync-{group}-{now}.pt"))
+        if fabric.restart_count > 0 and group in kill_groups and not os.path.exists(resynced(group)):
+            open(resynced(group), "w").close()
     if save_every and state["step"] % save_every == 0:
         fabric.save(os.path.join(checkpoints, f"step-{state['step']:04d}.ckpt"), state, keep=2)
     log.write(f"{state['step']} {now} {loss.item():.6f}\n")

@@ -74,9 +74,6 @@ def assert_trains(out: Path, groups) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="known failure on main since the control-plane and checkpoint-lineage "
-                   "landings (2026-11-29): the rejoined group 2 takes no sync after healing (no sync-2-<step+1>.pt); "
-                   "passed on the DiLoCo branch before them. Issue 33 stays open for it.")
 def test_streaming_diloco_heals_a_group_killed_inside_a_sync(tmp_path: Path) -> None:
     env = {"FT_BN": "1", "FT_SAVE_EVERY": "8", "FT_KILL_GROUP": "2", "FT_KILL_STEP": "10",
            "FABRICLITE_FIRST_RESTART_BACKOFF": "2"}
