@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from control_plane_parts.loop import Done, Loop
-from control_plane_parts.workers import Connection
+from control_plane_parts.store_host import Connection
 
 RUN_ID = "control-plane-model"
 MONITOR_INTERVAL_S = 0.1  # torchrun's --monitor-interval default

@@ -21,7 +21,7 @@ from fabriclite.distributed.control_plane import (collective_progress, failure_f
                                                   rank_zero_first, restart_agreement, straggler_reports)
 
 from control_plane_parts.loop import Done, Loop
-from control_plane_parts.workers import Connection
+from control_plane_parts.store_host import Connection
 
 #: the collective timeout the model's ranks run with (fabriclite's default)
 TIMEOUT_S = 1800.0

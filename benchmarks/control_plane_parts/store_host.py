@@ -1,12 +1,14 @@
 """The store in a process of its own, hosted as node 0's supervisor hosts it (fabriclite's ``host_store``: torch's
 libuv TCPStore), so that its memory and its request count are its own: requests are counted as the read calls
 its process makes (``/proc/<pid>/io`` syscr: the libuv server reads each request of a synchronous client in one
-call), checked against a known count at start (:meth:`StoreHost.calibrate`)."""
+call), checked against a known count at start (:meth:`StoreHost.calibrate`); and a simulated node's connection to it
+(:class:`Connection`)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Dict
@@ -103,3 +105,20 @@ class StoreHost:
 
     def num_keys(self) -> int:
         return int(self.probe.num_keys())
+
+
+class Connection:
+    """One client connection to the store, used by one chain at a time (``with conn as store``)."""
+
+    def __init__(self, port: int) -> None:
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=600))
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Any:
+        self._lock.acquire()
+        return self.store
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()

@@ -4,31 +4,11 @@ arguments; the worker runs it on its loop and answers with what it measured."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import threading
 import time
 import traceback
-from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from control_plane_parts.loop import Loop
-
-
-class Connection:
-    """One client connection to the store, used by one chain at a time (``with conn as store``)."""
-
-    def __init__(self, port: int) -> None:
-        from torch.distributed import TCPStore
-
-        self.store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=600))
-        self._lock = threading.Lock()
-
-    def __enter__(self) -> Any:
-        self._lock.acquire()
-        return self.store
-
-    def __exit__(self, *exc: Any) -> None:
-        self._lock.release()
 
 
 def _main(pipe: Any, spec: Dict[str, Any]) -> None:

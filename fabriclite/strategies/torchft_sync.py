@@ -25,7 +25,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from torchft.local_sgd import DiLoCo, LocalSGD
 
-from fabriclite.strategies.low_communication import Settings, fragments_of
+from fabriclite.strategies.low_communication_settings import Settings, fragments_of
 from fabriclite.strategies.torchft_parts import ReplicaManager
 
 

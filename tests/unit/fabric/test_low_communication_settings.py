@@ -13,7 +13,7 @@ from torch import nn
 
 from fabriclite import Fabric, cli
 from fabriclite.strategies import DiLoCoStrategy, LocalSGDStrategy
-from fabriclite.strategies.low_communication import SETTINGS_ENV, fragments_of
+from fabriclite.strategies.low_communication_settings import SETTINGS_ENV, fragments_of
 
 BAD = [
     (dict(sync_every=7, fragments=2), r"sync_every=7 is not divisible by fragments=2.*sync_every=6"),
