@@ -47,6 +47,7 @@ from common import Results, table  # noqa: E402
 SCRIPT = ROOT / "benchmarks" / "slow_links_train.py"
 JSON = ROOT / "benchmarks" / "results" / "slow_links.json"
 STEPS, BATCH, KILL_STEP, CAP_S = 100, 4, 30, 120
+GROUPS = 3
 SCHEMES = {
     "ddp": ("plain ddp", None),
     "ft": ("--fault-tolerant ddp", []),
@@ -57,6 +58,7 @@ SCHEMES = {
                   ["--strategy", "diloco", "--sync-every", "10", "--fragments", "2", "--fragment-sync-delay", "1"]),
 }
 RATES = {"none": "unthrottled", "100mbit": "100 Mbit/s", "20mbit": "20 Mbit/s"}
+BITS_PER_S = {"none": None, "100mbit": 100e6, "20mbit": 20e6}
 
 
 def shape(cluster: Any, rate: str) -> None:
@@ -67,7 +69,7 @@ def shape(cluster: Any, rate: str) -> None:
                         *qdisc], check=True)
 
 
-def run(cluster: Any, scheme: str, rate: str, out: Path, kill: bool = False) -> List[Dict[str, Any]]:
+def run(cluster: Any, scheme: str, rate: str, out: Path, steps: int, kill: bool = False) -> List[Dict[str, Any]]:
     """One job (3 nodes); the groups' summaries."""
     from ft_harness import start_nodes, wait_nodes
 
@@ -79,7 +81,7 @@ def run(cluster: Any, scheme: str, rate: str, out: Path, kill: bool = False) -> 
         env.update({"SL_KILL_GROUP": "2", "SL_KILL_STEP": str(KILL_STEP), "FABRICLITE_FIRST_RESTART_BACKOFF": "2"})
         args += ["--max-restarts", "1"]
     started = time.time()
-    nodes = start_nodes(out, STEPS, args=[*args, *(flags or [])], env=env, script=SCRIPT, port=29541,
+    nodes = start_nodes(out, steps, args=[*args, *(flags or [])], env=env, script=SCRIPT, port=29541,
                         fault_tolerant=flags is not None,
                         spawn=lambda rank, cmd, full_env, **kw: cluster.exec(rank, cmd, full_env, **kw))
     nodes = wait_nodes(nodes, 420)
@@ -130,6 +132,18 @@ def stall(entry: Dict[str, Any], reference: Optional[Dict[str, Any]]) -> Optiona
     return None
 
 
+def floor(entry: Dict[str, Any], rate: str, reference: Optional[Dict[str, Any]]) -> Optional[float]:
+    """The hand-computed floor of a run: its samples/s if each step cost only the longer of its compute (the run's
+    median step without a sync; for a scheme that syncs every step, the DiLoCo H=50 run's at the same rate) and the
+    bytes it sent per step at the link's rate: the two fully overlapped, no latency, no quorum."""
+    compute = entry["plain_step_s"] if entry["plain_step_s"] is not None else (reference or {}).get("plain_step_s")
+    if compute is None:
+        return None
+    bits = BITS_PER_S[rate]
+    link = entry["mb_per_step"] * 8e6 / bits if bits else 0.0
+    return GROUPS * BATCH / max(compute, link)
+
+
 def report(data: Dict[str, Any], results: Results) -> str:
     runs, kills = data["runs"], data["kills"]
     rows = []
@@ -141,16 +155,20 @@ def report(data: Dict[str, Any], results: Results) -> str:
             ref = runs.get(f"diloco50@{rate}")
             gap = stall(entry, ref)
             plain = entry["plain_step_s"]
+            best = floor(entry, rate, ref)
             rows.append([RATES[rate], SCHEMES[scheme][0], f"{entry['samples_s']:.1f}",
+                         "n/a" if best is None else f"{best:.1f} ({entry['samples_s'] / best:.2f}x)",
                          f"{entry['mb_per_step']:.2f}", "n/a" if gap is None else f"{gap:.2f} s",
                          "every step syncs" if plain is None else f"{plain:.2f} s",
                          f"{entry['eval_loss']:.3f}", f"{entry['steps']}{' (capped)' if entry['capped'] else ''}"])
     body = ["## Throughput, traffic and loss", "",
-            table(["link", "scheme", "samples/s", "MB sent per step (per host)", "stall per sync",
-                   "step without a sync (median)", "eval loss", "steps"], rows), "",
+            table(["link", "scheme", "samples/s", "floor samples/s (run / floor)", "MB sent per step (per host)",
+                   "stall per sync", "step without a sync (median)", "eval loss", "steps"], rows), "",
             "The step without a sync is compute alone: where it differs between runs of one scheme, the machine's "
-            "load changed the compute, not the link (compare samples/s within a run's own row first)."]
-    ran = sorted({key.split("@")[1] for key in runs}, key=list(RATES).index)
+            "load changed the compute, not the link (compare samples/s within a run's own row first). The floor is "
+            "computed by hand from the same run: each step costs the longer of its compute and the bytes it sent per "
+            "step at the link's rate (the two fully overlapped, no latency, no quorum); run / floor says how far the "
+            "run is from it."]
     missing = [f"{scheme}@{rate}" for rate in RATES for scheme in SCHEMES if f"{scheme}@{rate}" not in runs]
     if missing:
         body += ["", f"**Reduced grid**: not run here: {', '.join(missing)} (the machine's time did not allow the "
@@ -166,11 +184,11 @@ def report(data: Dict[str, Any], results: Results) -> str:
     if data.get("failed"):
         body += ["", "Failed jobs (not in the tables): " + "; ".join(f"{k}: {v.splitlines()[0]}"
                                                                   for k, v in data["failed"].items())]
-    body += ["", "## Goals", ""] + goals(runs)
+    body += ["", "## Goals", ""] + goals(runs, data.get("steps", STEPS))
     return "\n".join(body)
 
 
-def goals(runs: Dict[str, Any]) -> List[str]:
+def goals(runs: Dict[str, Any], steps: int) -> List[str]:
     """The issue's goals, each as a checked or unchecked box with the figures that decide it."""
     diloco = [s for s in ("diloco10", "diloco50", "streaming") if f"{s}@100mbit" in runs and f"{s}@none" in runs]
     if not diloco or "ddp@100mbit" not in runs or "ddp@none" not in runs:
@@ -186,7 +204,7 @@ def goals(runs: Dict[str, Any]) -> List[str]:
             f"- [{'x' if ddp >= 4 else ' '}] at 100 Mbit/s it runs >= 4x faster than plain ddp: "
             f"{fast['samples_s']:.1f} / {runs['ddp@100mbit']['samples_s']:.1f} samples/s = {ddp:.2f}x",
             f"- [{'x' if abs(loss) <= 0.05 else ' '}] its final loss is within 5 % of plain ddp's at equal samples "
-            f"({STEPS} steps of each group, unthrottled runs): {runs[f'{best}@none']['eval_loss']:.3f} vs "
+            f"({steps} steps of each group, unthrottled runs): {runs[f'{best}@none']['eval_loss']:.3f} vs "
             f"{runs['ddp@none']['eval_loss']:.3f} ({loss * 100:+.1f} %)"]
 
 
@@ -221,6 +239,7 @@ def main() -> None:
     parser.add_argument("--kills", default="ft,local_sgd,diloco10,diloco50,streaming",
                         help="schemes with one kill-and-rejoin run (unthrottled); '' for none")
     parser.add_argument("--only", default="", help="comma-separated scheme@rate runs instead of the grid")
+    parser.add_argument("--steps", type=int, default=STEPS, help="inner steps per group")
     parser.add_argument("--keep", action="store_true", help="add to the JSON's runs instead of starting over")
     parser.add_argument("--plot", default=None, help="only draw the plot from the JSON into this PNG")
     parser.add_argument("--report-only", action="store_true", help="only write the results file from the JSON")
@@ -238,6 +257,8 @@ def main() -> None:
         raise SystemExit(f"slow_links: needs network namespaces: {reason}")
     results = Results("slow_links")
     data = json.loads(JSON.read_text()) if args.keep and JSON.exists() else {"runs": {}, "kills": {}}
+    if data.setdefault("steps", args.steps) != args.steps:
+        raise SystemExit(f"slow_links: --keep adds to runs of {data['steps']} steps; pass --steps {data['steps']}")
     grid = [item.split("@") for item in args.only.split(",") if item] or \
         [(s, r) for r in args.rates.split(",") for s in args.schemes.split(",")]
     kills = [s for s in args.kills.split(",") if s]
@@ -247,7 +268,8 @@ def main() -> None:
             jobs = [(f"{s}@{r}", s, r, False) for s, r in grid] + [(f"kill:{s}", s, "none", True) for s in kills]
             for key, scheme, rate, kill in jobs:
                 try:
-                    summaries = run(cluster, scheme, rate, Path(tmp) / key.replace(":", "-").replace("@", "-"), kill)
+                    summaries = run(cluster, scheme, rate, Path(tmp) / key.replace(":", "-").replace("@", "-"),
+                                    args.steps, kill)
                     entry = kill_figures(summaries) if kill else figures(summaries)
                 except Exception as err:  # noqa: BLE001 - one failed job is reported, the others still run
                     print(f"  {key} failed: {err}", file=sys.stderr)
@@ -266,8 +288,8 @@ def write_report(data: Dict[str, Any], results: Results) -> None:
         ("interpreter", "the ft lane's: `$(bash scripts/backend_env.sh ft --path)/bin/python`"),
         ("torchft", "0.2.0"),
         ("hosts", "3 network namespaces on this machine (one rank each, OMP_NUM_THREADS=1), eth0 shaped by tc tbf"),
-        ("model", f"causal transformer LM, ~2.2 M parameters; AdamW lr 1e-3; batch {BATCH} x 32 tokens; {STEPS} "
-                  f"steps per group (a ddp run: at most {CAP_S} s of training)")])
+        ("model", f"causal transformer LM, ~2.2 M parameters; AdamW lr 1e-3; batch {BATCH} x 32 tokens; "
+                  f"{data.get('steps', STEPS)} steps per group (a ddp run: at most {CAP_S} s of training)")])
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ writes ``OUT/summary-<group>.json``: per step (after the iteration) its end time
 in it; the bytes this node sent on eth0 (``tc -s qdisc``) at the end of warm-up and at the end; the eval loss of
 the final model on a fixed held-out batch; and the kill / restart times. ``SL_TIME_CAP`` (s): stop after that long
 past warm-up even before STEPS (a ddp run on a slow link). ``SL_KILL_GROUP`` / ``SL_KILL_STEP``: that group's rank
-SIGKILLs itself after that step in its first incarnation; the others go on past STEPS until it is back (then
-stop at a multiple of ``sync_every``, as the lane's script).
+SIGKILLs itself after that step in its first incarnation; the others go on past STEPS until it is back and has
+taken part in a sync (its summary's ``resynced``; then every group stops at a multiple of ``sync_every``, as the
+lane's script): a group healed past STEPS still makes steps with the others.
 """
 import json
 import os
@@ -105,7 +106,7 @@ def all_back() -> bool:
         return True
     path = os.path.join(out, f"summary-{kill_group}.json")
     try:
-        return any(start[0] >= 1 for start in json.load(open(path))["starts"])
+        return bool(json.load(open(path)).get("resynced"))
     except (OSError, ValueError, KeyError):
         return False
 
@@ -117,7 +118,7 @@ def write() -> None:
 
 
 if fabric.restart_count > 0:
-    write()  # "back": the others may stop at their next multiple of sync_every
+    write()  # its start, in case it dies again
 started, last_sync = None, synced()
 while not (state["step"] >= steps and state["step"] % every == 0 and all_back()):
     seqs = batch(1_000_000 * group + state["step"])
@@ -129,6 +130,9 @@ while not (state["step"] >= steps and state["step"] % every == 0 and all_back())
         state["step"] += 1
     now = synced()
     summary["rows"].append([state["step"], time.time(), loss.item(), settings is None or now != last_sync])
+    if fabric.restart_count > 0 and not summary.get("resynced") and (settings is None or now != last_sync):
+        summary["resynced"] = time.time()
+        write()  # back and in step with the others: they may stop at their next multiple of sync_every
     last_sync = now
     if state["step"] >= WARMUP and started is None:  # a group that joined late: its first step
         started = time.time()
