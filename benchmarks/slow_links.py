@@ -2,7 +2,7 @@
 DiLoCo (2 fragments) on 3 hosts of the network-namespace cluster (tests/integration/netns/cluster.py), one rank
 each, each host's eth0 shaped by ``tc qdisc ... tbf rate R`` (``netem`` does not work on this kernel; unthrottled:
 a plain ``pfifo``, for its byte counter). The script: benchmarks/slow_links_train.py (a ~2.2 M-parameter causal
-transformer LM on synthetic tokens, AdamW inside, batch 4 x 32 tokens, 100 steps per group, one thread per rank).
+transformer LM on synthetic tokens, AdamW inside, batch 4 x 32 tokens, 300 steps per group (--steps), one thread per rank).
 
     flock /work/wt/bench.lock $(bash scripts/backend_env.sh ft --path)/bin/python benchmarks/slow_links.py \
         [--rates none,100mbit,20mbit] [--schemes ddp,ft,local_sgd,diloco10,diloco50,streaming] [--kills ...]
@@ -46,7 +46,7 @@ from common import Results, table  # noqa: E402
 
 SCRIPT = ROOT / "benchmarks" / "slow_links_train.py"
 JSON = ROOT / "benchmarks" / "results" / "slow_links.json"
-STEPS, BATCH, KILL_STEP, CAP_S = 100, 4, 30, 120
+STEPS, BATCH, KILL_STEP, CAP_S = 300, 4, 30, 120
 GROUPS = 3
 SCHEMES = {
     "ddp": ("plain ddp", None),
@@ -54,8 +54,8 @@ SCHEMES = {
     "local_sgd": ("LocalSGD H=10", ["--strategy", "local_sgd", "--sync-every", "10"]),
     "diloco10": ("DiLoCo H=10", ["--strategy", "diloco", "--sync-every", "10"]),
     "diloco50": ("DiLoCo H=50", ["--strategy", "diloco", "--sync-every", "50"]),
-    "streaming": ("streaming DiLoCo H=10, 2 fragments, delay 1",
-                  ["--strategy", "diloco", "--sync-every", "10", "--fragments", "2", "--fragment-sync-delay", "1"]),
+    "streaming": ("streaming DiLoCo H=50, 2 fragments, delay 12",
+                  ["--strategy", "diloco", "--sync-every", "50", "--fragments", "2", "--fragment-sync-delay", "12"]),
 }
 RATES = {"none": "unthrottled", "100mbit": "100 Mbit/s", "20mbit": "20 Mbit/s"}
 BITS_PER_S = {"none": None, "100mbit": 100e6, "20mbit": 20e6}
