@@ -13,7 +13,7 @@ on every rank (the ranks' PHASE stamps). Three launchers, interleaved, each repe
 Also: where the time goes (the ranks' PHASE stamps, medians), round 0's start (the launcher's start -> round 0's
 first optimizer step done on every rank) with and without spares, and one waiting spare's memory (RSS, PSS).
 
-    flock /work/wt/bench.lock python benchmarks/restart_timing.py [--repeats 3]
+    python benchmarks/restart_timing.py [--repeats 3]
 
 (``benchmarks/fault_tolerance.py --part restart`` runs this too; no torchft needed.)
 """

@@ -2,9 +2,10 @@
 DiLoCo (2 fragments) on 3 hosts of the network-namespace cluster (tests/integration/netns/cluster.py), one rank
 each, each host's eth0 shaped by ``tc qdisc ... tbf rate R`` (``netem`` does not work on this kernel; unthrottled:
 a plain ``pfifo``, for its byte counter). The script: benchmarks/slow_links_train.py (a ~2.2 M-parameter causal
-transformer LM on synthetic tokens, AdamW inside, batch 4 x 32 tokens, 300 steps per group (--steps), one thread per rank).
+transformer LM on synthetic tokens, AdamW inside, batch 4 x 32 tokens, 300 steps per group (``--steps``), one thread
+per rank).
 
-    flock /work/wt/bench.lock $(bash scripts/backend_env.sh ft --path)/bin/python benchmarks/slow_links.py \
+    $(bash scripts/backend_env.sh ft --path)/bin/python benchmarks/slow_links.py \
         [--rates none,100mbit,20mbit] [--schemes ddp,ft,local_sgd,diloco10,diloco50,streaming] [--kills ...]
     python benchmarks/slow_links.py --plot docs/slow_links_benchmark.png   # from the JSON, needs matplotlib
 
