@@ -142,6 +142,15 @@ def test_an_unreachable_lighthouse_is_one_line_naming_it(tmp_path: Path) -> None
     (["--strategy", "fsdp"], "--fault-tolerant with --strategy fsdp is not supported"),
     (["--devices", "2"], "--fault-tolerant with --devices 2: one rank per node only"),
     (["--min-replicas", "4"], "--min-replicas 4 is out of range for --num-nodes 3"),
+    # DiLoCo's settings, refused before the lighthouse or a Manager exists (each one's message: the unit tests)
+    (["--strategy", "diloco", "--sync-every", "7", "--fragments", "2"], "sync_every=7 is not divisible by fragments=2"),
+    (["--strategy", "diloco", "--sync-every", "2", "--fragments", "3"], "sync_every=2 is smaller than fragments=3"),
+    (["--strategy", "diloco", "--sync-every", "10", "--fragments", "2", "--fragment-sync-delay", "5"],
+     "fragment_sync_delay=5 must be >= 0 and below sync_every / fragments = 5"),
+    (["--strategy", "diloco", "--sync-every", "10", "--fragment-update-alpha", "1.5"],
+     "fragment_update_alpha=1.5 must be a number in [0, 1]"),
+    (["--strategy", "local_sgd", "--sync-every", "10", "--fragments", "2"], "strategy='local_sgd' averages the "
+                                                                             "parameters and has no fragments"),
 ])
 def test_refused_combinations_start_nothing(tmp_path: Path, args: List[str], expected: str) -> None:
     nodes = wait_nodes(start_nodes(tmp_path, 10, args=args, ranks=[0]), 60)
