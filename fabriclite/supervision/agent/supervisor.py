@@ -1,26 +1,22 @@
-"""The supervisor: starts one node's ranks, watches them, and turns the first failure anywhere in
-the job into one clear ending.
+"""The supervisor: starts one node's ranks, watches them, and turns the first failure anywhere in the job into one
+clear ending.
 
-- It hosts (node 0) or joins (other nodes) the job's rendezvous store, so the store outlives every
-  rank; ranks connect to it as clients.
-- A rank that exits non-zero or dies by a signal stops the others (SIGTERM, then SIGKILL after a
-  grace period), is named in one summary with the first failing rank's traceback (from the error
-  file each rank writes), and the supervisor's exit code is non-zero.
-- A rank that raised (its error file exists) counts as failed without waiting for its slow exit; the
-  root cause is the earliest failure that is not a mere "lost peer" error.
-- Across nodes, a failure is published in the store; every other node's supervisor polls it and
-  stops its ranks, naming the failed node and rank. Node 0 keeps the store up until the other
-  nodes have ended (or, after a failure, read it).
-- The ranks die with the supervisor (PR_SET_PDEATHSIG), and a reaper process kills what they
-  started if the supervisor is killed (see supervision/processes/reaper.py).
-- SIGINT to the supervisor stops every rank (exit code 130); the first SIGTERM / requeue signal (SIGUSR1) is a
-  preemption notice with a grace period (supervision/agent/preemption.py), a second one stops every rank (128 + signal).
-  (The handlers: supervision/agent/supervisor_signals.py.)
-- Restarts (supervision/agent/restarts.py): with ``restarts.max_restarts``, a failed round is followed by a new one.
-  A round's ranks are started, polled and stopped by supervision/agent/round_ranks.py, which also runs the launcher's
-  ``when_up`` once the round's ranks here have done their first step (warm spares start then).
-- Live recovery (``live``, supervision/lighthouse.py): the node is a job of its own (its own store, restarts
-  and exit code); node 0's supervisor also runs the lighthouse, the one thing the nodes share.
+- It hosts (node 0) or joins (other nodes) the job's rendezvous store, so the store outlives every rank.
+- A rank that exits non-zero or dies by a signal stops the others (SIGTERM, then SIGKILL after a grace period), is
+  named in one summary with the first failing rank's traceback (from its error file), and the exit code is non-zero.
+  A rank that raised counts as failed without waiting for its slow exit; the root cause is the earliest failure
+  that is not a mere "lost peer" error (supervision/processes/failures.py).
+- Across nodes, a failure is published in the store; every other node's supervisor sees it and stops its ranks,
+  naming the failed node and rank. Node 0 keeps the store up until the other nodes have ended.
+- The ranks die with the supervisor (PR_SET_PDEATHSIG); a reaper kills what they started if the supervisor is
+  killed (supervision/processes/reaper.py).
+- SIGINT stops every rank (exit 130); the first SIGTERM / SIGUSR1 is a preemption notice with a grace period
+  (agent/preemption.py), a second one stops every rank (128 + signal); handlers in agent/supervisor_signals.py.
+- Restarts (agent/restarts.py): a failed round is followed by a new one, up to ``restarts.max_restarts``; a round's
+  ranks are started, polled and stopped by agent/round_ranks.py (which runs the launcher's ``when_up`` once they
+  have done their first step: warm spares start then).
+- Live recovery (``live``, supervision/lighthouse.py): the node is a job of its own (its own store, restarts and exit
+  code); node 0's supervisor also runs the lighthouse, the one thing the nodes share.
 """
 from __future__ import annotations
 
@@ -356,8 +352,7 @@ class Supervisor:
         return root.exit_code
 
     def _stacks(self, why: str, failed: Set[int] = frozenset()) -> str:  # type: ignore[assignment]
-        """Every live rank's stacks (all threads; not those of ``failed`` local ranks: their tracebacks are in the
-        summary), with their progress (supervision/watch/stacks.py)."""
+        """Every live rank's stacks and progress (not ``failed`` local ranks': their tracebacks are in the summary)."""
         return self.hangs.stacks(self.ranks.live(failed), why)
 
     def _hung(self, reason: str) -> int:
@@ -366,27 +361,27 @@ class Supervisor:
         self.summary = f"fabriclite: the job is hung: {reason}.\n" + stacks
         self.record.failure(None, reason, 1, True)
         self.record.hang(reason, stacks)
-        failure_flag.publish_failure(self._store, {
-            "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
-            "hang": True, "message": f"the supervisor of node {self.layout.node_rank} found it hung: {reason}"})
+        self._publish(f"found it hung: {reason}", hang=True)
         return 1
 
     def _interrupted(self, signum: int) -> int:
         name = signal_name(signum)
         self.summary = f"fabriclite: stopped every rank on node {self.layout.node_rank} on {name}."
-        if self._store is not None:
-            failure_flag.publish_failure(self._store, {
-                "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
-                "message": f"the supervisor of node {self.layout.node_rank} received {name}"})
+        self._publish(f"received {name}")
         return 128 + signum
 
     def _preempted(self) -> int:
         """The grace period after a preemption signal is over: publish it (the other nodes stop too)."""
         self.summary = self.preemption.expired_summary(self.layout.node_rank)
-        failure_flag.publish_failure(self._store, {
-            "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
-            "message": f"the supervisor of node {self.layout.node_rank} was preempted and stopped its ranks"})
+        self._publish("was preempted and stopped its ranks")
         return EXIT_PREEMPTED
+
+    def _publish(self, what: str, **fields: Any) -> None:
+        """Publish "the supervisor of node N <what>" as the job's failure (``rank`` None) for the other nodes."""
+        if self._store is not None:
+            failure_flag.publish_failure(self._store, {
+                "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
+                "message": f"the supervisor of node {self.layout.node_rank} {what}", **fields})
 
     def _leave(self, failed: bool) -> None:
         """Across nodes, node 0 keeps the store up until the other nodes have ended (control_plane/liveness.py)."""
