@@ -126,19 +126,28 @@ class FaultTolerantStrategy(DDPStrategy):
         peer ahead of this group sends its state, which is applied before this returns. Returns the step the
         live groups have committed (0: none has, the job is starting or every group died: read the disk).
         RuntimeError if the state could not be received after HEAL_ATTEMPTS quorums."""
-        manager = self.manager
-        if not self._state_registered:
-            manager.register_state_dict_fn("fabriclite", apply_fn, state_fn)
-            self._state_registered = True
+        manager = self._register_state(state_fn, apply_fn)
         for _ in range(HEAL_ATTEMPTS):
             manager.start_quorum()
             healed = _parts().finish_heal(manager)
             if healed or manager.errored() is None:
                 self._quorum_open = True
                 return manager.current_step()
-        raise RuntimeError(f"fault_tolerant: {HEAL_ATTEMPTS} quorums in a row failed to deliver a live peer's state "
-                           f"to replica group {self.options.group if self.options else '?'}; last error: "
-                           f"{manager.errored()}")
+        raise self._heal_failed()
+
+    def _register_state(self, state_fn: Callable[[], Dict[str, Any]],
+                        apply_fn: Callable[[Dict[str, Any]], None]) -> Any:
+        """The Manager, with the script's state registered once (what a live peer sends a group that heals)."""
+        manager = self.manager
+        if not self._state_registered:
+            manager.register_state_dict_fn("fabriclite", apply_fn, state_fn)
+            self._state_registered = True
+        return manager
+
+    def _heal_failed(self) -> RuntimeError:
+        return RuntimeError(f"{self.name}: {HEAL_ATTEMPTS} quorums in a row failed to deliver a live peer's state to "
+                            f"replica group {self.options.group if self.options else '?'}; last error: "
+                            f"{self.manager.errored()}")
 
     def teardown(self) -> None:
         if self._manager is not None:

@@ -115,10 +115,7 @@ class LowCommunicationStrategy(FaultTolerantStrategy):
         if self._sync is None:
             raise RuntimeError(f"under strategy={self.name!r}, call fabric.setup(model, optimizer) before "
                                "fabric.load_latest(): the sync must exist before the first quorum.")
-        manager = self.manager
-        if not self._state_registered:
-            manager.register_state_dict_fn("fabriclite", apply_fn, state_fn)
-            self._state_registered = True
+        manager = self._register_state(state_fn, apply_fn)
         for _ in range(HEAL_ATTEMPTS):
             manager.start_quorum()
             if manager.errored() is not None:
@@ -129,9 +126,7 @@ class LowCommunicationStrategy(FaultTolerantStrategy):
                 return 0
             self._join_pending = True
             return step
-        raise RuntimeError(f"{self.name}: {HEAL_ATTEMPTS} quorums in a row failed to deliver a live peer's state to "
-                           f"replica group {self.options.group if self.options else '?'}; last error: "
-                           f"{manager.errored()}")
+        raise self._heal_failed()
 
     def sync_state(self) -> Dict[str, Any]:
         """The sync's state as checkpoints hold it: ``scheme``, ``manager`` (torchft's step: syncs committed, which
