@@ -11,7 +11,8 @@ the model's parameters are cut into that many contiguous fragments of about equa
 ``sync_every / fragments`` steps, each ``fragment_sync_delay`` steps after its all-reduce started, mixed with the
 local weights by ``fragment_update_alpha``. The torchft parts are built in
 ``fabriclite.strategies.torchft_sync``; every setting is checked in
-``fabriclite.strategies.low_communication_settings``, at ``Fabric(...)`` (the instance's constructor) or when ``fabriclite run`` parses its flags, before a Manager exists.
+``fabriclite.strategies.low_communication_settings``, at ``Fabric(...)`` (the instance's constructor) or when
+``fabriclite run`` parses its flags, before a Manager exists.
 
 What differs from ``strategy="fault_tolerant"``:
 
