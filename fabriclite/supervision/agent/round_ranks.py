@@ -16,10 +16,12 @@ from fabriclite.supervision.agent.node_layout import NodeLayout, Worker
 from fabriclite.supervision.processes.stopping import kill_group, reap
 
 POLL_S = 0.05
-#: how long to wait for the root cause while only ranks that lost a peer were seen failing: the peer is exiting, which
-#: can take its teardown's 2 s bound on gloo's workers plus a loaded interpreter's exit (at 1 s, a load-20 run named
-#: the lost-peer rank as the cause). It ends as soon as a real cause is seen here or on another node.
-SECONDARY_WAIT_S = 5.0
+#: how long to wait for the root cause while only ranks that lost a peer were seen failing and a rank of this node is
+#: still running: the rank that went away is exiting, which can take its teardown's 2 s bound on gloo's workers plus a
+#: loaded interpreter's exit (at 1 s, a load-20 run named the lost-peer rank as the cause; at 5 s, a loaded CI run
+#: named it too). The wait ends as soon as every rank here has ended, a real cause is seen, or another node
+#: published one; the bound only holds for a rank that neither exits nor fails.
+SECONDARY_WAIT_S = 30.0
 #: how long a rank that raised may take to exit by itself before it counts as failed, and what it gets beyond the
 #: grace after SIGTERM (it is exiting already; its teardown may wait up to 2 s for gloo's workers: gloo_exit)
 RAISED_GRACE_S, EXITING_S = 0.25, 2.0
@@ -89,8 +91,10 @@ class RoundRanks:
 
     def collect_more(self, running: Dict[int, Worker], failures: List[Failure],
                      remote_failed: Callable[[], bool]) -> None:
-        """Give ranks that failed at nearly the same time a moment to be seen too; longer (up to
-        SECONDARY_WAIT_S) while every failure seen only reports a lost peer and no other node published one."""
+        """Give ranks that failed at nearly the same time a moment (0.1 s) to be seen too. While every failure seen
+        only reports a lost peer and no other node published one, wait until every rank here has ended (up to
+        SECONDARY_WAIT_S): a rank's own exit (a code, a signal, its error file) then outranks the peers' connection
+        errors in the summary, however slowly that rank exits."""
         start = time.monotonic()
         while running:
             time.sleep(POLL_S)

@@ -305,3 +305,30 @@ def test_a_rank_that_raised_gets_its_teardown_time_beyond_the_grace(tmp_path, mo
     assert exit_code == 1 and took < 10  # about 2.3 s on a quiet machine; rank 0 would sleep for 60
     assert "rank 1 (local rank 1, node 0) raised ValueError: rank 1 fails on purpose" in supervisor.summary
     assert "did not end within" not in supervisor.summary, supervisor.summary
+
+
+def test_a_rank_that_exits_slowly_outranks_the_peer_that_lost_it(tmp_path, monkeypatch) -> None:
+    """Rank 1 fails with code 3 but takes 6 s to exit (a loaded machine's interpreter teardown); rank 0 reports the
+    lost peer at once. The summary waits for rank 1's own exit and names it, not rank 0's connection error (with the
+    5 s wait of earlier rounds, rank 0's "Connection closed by peer" was the cause: test_restarts' flake)."""
+    from fabriclite.supervision.agent.round_ranks import SECONDARY_WAIT_S
+    from fabriclite.supervision.rank.child import ERROR_FILE_ENV, write_error_file
+
+    assert SECONDARY_WAIT_S > 6  # the slow exit below fits the wait
+    record = str(tmp_path / "record.json")
+    with monkeypatch.context() as patch:
+        patch.setenv("FABRICLITE_RANK", "0")
+        write_error_file(record, RuntimeError("[gloo] Read error [127.0.0.1]:4012: Connection closed by peer"))
+    code = ("import os, shutil, time\n"
+            "if os.environ['FABRICLITE_RANK'] == '0':\n"
+            f"    error = os.environ[{ERROR_FILE_ENV!r}]\n"
+            f"    shutil.copy({record!r}, error + '.tmp')\n"
+            "    os.replace(error + '.tmp', error)  # rank 0 lost its peer, and stays until it is stopped\n"
+            "    time.sleep(60)\n"
+            "time.sleep(6)\n"
+            "raise SystemExit(3)\n")
+    supervisor, exit_code, took = _two_ranks(code, grace_s=0.5)
+    assert exit_code == 3 and took < 20, (exit_code, took, supervisor.summary)
+    assert supervisor.summary.splitlines()[0] == ("fabriclite: the job failed: rank 1 (local rank 1, node 0) exited "
+                                                  "with code 3."), supervisor.summary
+    assert "also: rank 0 (local rank 0, node 0) raised RuntimeError" in supervisor.summary
