@@ -27,6 +27,7 @@ from fabriclite.supervision.agent.restarts import MAX_RESTARTS_ENV, RestartPolic
 from fabriclite.launchers.subprocess_script import run_supervised
 from fabriclite.supervision.processes.stopping import exit_process
 from fabriclite.supervision.agent.node_layout import NodeLayout
+from fabriclite.distributed.control_plane.liveness import LOSS_ENV, loss_timeout
 from fabriclite.distributed.rendezvous import resolve_timeout
 from fabriclite.strategies import FAULT_TOLERANT, STRATEGIES, low_communication_settings
 
@@ -50,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                           "one node: a free port; several: 29500)")
     run.add_argument("--precision", default=None)
     run.add_argument("--timeout", type=float, default=None, help="seconds for rendezvous and each collective (default $FABRICLITE_TIMEOUT or 1800)")
+    run.add_argument("--heartbeat-timeout", "--heartbeat_timeout", default=None,
+                     help="seconds after which a node whose heartbeat stopped (or that cannot reach node 0's store) "
+                          "ends the job, naming it (default $FABRICLITE_HEARTBEAT_TIMEOUT, or 15, at most half of "
+                          "--timeout)")
     run.add_argument("--rank-prefix", action="store_true", help="prefix every output line with [rank N]")
     run.add_argument("--log-dir", default=None, help="also write each rank's output to LOG_DIR/rank_N.log, and the "
                      "events record there (default: the run's folder, $XDG_STATE_HOME/fabriclite/runs/<run id>/)")
@@ -159,6 +164,8 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
         raise UsageError(f"--{'min-replicas' if args.min_replicas is not None else 'lighthouse'} needs "
                          "--fault-tolerant.")
     args.strategy_env = low_communication_settings.cli_env(args)  # --strategy diloco|local_sgd and their settings
+    if args.heartbeat_timeout is not None:  # this supervisor's (control_plane/liveness.py); ValueError names it
+        os.environ[LOSS_ENV] = str(loss_timeout(resolve_timeout(args.timeout).total_seconds(), args.heartbeat_timeout))
     if args.fault_tolerant:
         return _prepare_live(args, num_nodes, node_rank)
     # validate every flag the way Fabric(...) would, before starting anything

@@ -4,7 +4,7 @@ every waiting loop there is a poller (``poll()`` makes O(1) requests, ``delay()`
 real supervisor or rank turns with ``time.sleep`` and this model turns from its event loop.
 
 - Supervisor (one connection per node): its pulse every ``liveness.PULSE_S`` (the heartbeat whose answer carries
-  the failure flag), its straggler report once per window (node 0 also collects them), the restart agreement after
+  the failure flag; node 0 also reads every node's pulse, ``liveness.Heartbeats``), its straggler report once per window (node 0 also collects them), the restart agreement after
   a failure, the preemption agreement.
 - Ranks (``ranks_per_node`` per node, on ``rank_conns`` connections per node): the check-in at launch
   (``meeting.Arrival``), a ``rank_zero_first`` block every ``zero_first_every`` steps (global rank 0 runs it and
@@ -59,6 +59,7 @@ class Node:
         self.on_failure: Optional[Callable[[Dict[str, Any]], None]] = None
         self.steps = 0
         self.reports = straggler_reports.Collector(self.nodes) if node == 0 else None
+        self.heartbeats: Optional[liveness.Heartbeats] = None
 
     def ranks(self) -> List[int]:
         return [self.node * self.per_node + i for i in range(self.per_node)]
@@ -74,11 +75,17 @@ class Node:
 
     # ------------------------------------------------------------------ the supervisor
     def pulse_chain(self) -> Callable[[], Optional[float]]:
+        """The supervisor's pulses in one round (node 0 also watches every node's: a new watch each round)."""
+        if self.node == 0:
+            self.heartbeats = liveness.Heartbeats(self.nodes, self.per_node, liveness.DEFAULT_LOSS_S)
+
         def task() -> Optional[float]:
             if not self.running:
                 return None
             with self.sup:
-                record = liveness.pulse(self.view(self.sup))
+                record = liveness.pulse(self.view(self.sup), self.node)
+                if record is None and self.heartbeats is not None:
+                    record = self.heartbeats.poll(self.view(self.sup))
             if record is not None and self.on_failure is not None:
                 self.running = False
                 self.on_failure(record)
@@ -254,7 +261,7 @@ class FabricNodes:
                 with failing.sup:
                     failure_flag.publish_failure(failing.view(failing.sup), {
                         "node": node, "rank": None, "timestamp": time.time(), "secondary": False,
-                        "message": f"the supervisor of node {node} {what}"})
+                        "message": f"the supervisor of node {node} {what}"}, failing.nodes)
                 stopped.mark(node)
                 agree(failing, not preempted)
             self.loop.at(start, fail)

@@ -11,5 +11,6 @@ that end on it), ``liveness`` (supervisors' heartbeats; node 0 keeping the store
 (how every wait polls: O(1) requests per poll, a backoff; a simulation turns the same pollers from an event
 loop).
 
-May import: ``fabriclite.distributed.rendezvous`` (its error) and nothing else of fabriclite.
+May import: ``fabriclite.distributed.rendezvous`` (its error), ``fabriclite.distributed.store_client`` (its clock)
+and nothing else of fabriclite.
 """

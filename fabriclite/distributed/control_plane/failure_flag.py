@@ -1,7 +1,7 @@
 """The job's failure flag: the first failure a supervisor publishes in the job's store, for every node and rank.
 
 The record goes under ``failure``; then the flag goes up in every counter that supervisors and ranks poll anyway
-(``keys.FLAGGED``: the supervisors' pulse, the ranks' check-in count), so that they see it in the answer to a
+(``keys.flagged``: every supervisor's pulse, the ranks' check-in count), so that they see it in the answer to a
 request they make regardless, and no one polls the flag on its own in steady state. Every function takes the
 job's store seen under ``keys.PREFIX`` (``meeting.job_view``).
 """
@@ -37,15 +37,16 @@ def read_failure(store: Any) -> Optional[Dict[str, Any]]:
                 "message": f"the job's rendezvous store is gone (its supervisor ended?): {err}"}
 
 
-def publish_failure(store: Any, record: Dict[str, Any]) -> None:
+def publish_failure(store: Any, record: Dict[str, Any], num_nodes: int = 1) -> None:
     """Publish ``record`` as the job's failure unless one is there already; a root cause
-    (``secondary`` False) replaces a secondary one. Never raises."""
+    (``secondary`` False) replaces a secondary one; the flag goes up in the pulse of each of ``num_nodes`` nodes.
+    Never raises."""
     try:
         old = read_failure(store)
         if old is None or (old.get("secondary") and not record.get("secondary")):
             store.set(FAILURE_KEY, json.dumps(record))
         if old is None:  # the record first, then the flag: whoever sees the flag finds the record
-            for counter in keys.FLAGGED:
+            for counter in keys.flagged(num_nodes):
                 store.add(counter, keys.FAILED)
     except RuntimeError:
         pass
@@ -68,9 +69,20 @@ def failed(store: Any) -> bool:
 
 
 def describe_failure(record: Dict[str, Any]) -> str:
-    """"node 1: rank 3 (local rank 1, node 1) raised ValueError: boom" for a published record."""
-    where = f"node {record['node']}: " if record.get("node") is not None else ""
+    """"node 1: rank 3 (local rank 1, node 1) raised ValueError: boom" for a published record (a message that starts
+    with the nodes it is about, "node 2 (host) stopped answering ...", is not prefixed)."""
+    node = record.get("node")
+    named = str(record["message"]).startswith(("node ", "nodes "))
+    where = f"node {node}: " if node is not None and not named else ""
     return f"{where}{record['message']}"
+
+
+def failure_line(record: Dict[str, Any]) -> str:
+    """"the job failed on node 1: rank 3 ... raised ValueError: boom"; "the job failed: node 2 (host) stopped
+    answering ..." (a record about nodes, or about the store, names them itself)."""
+    where = describe_failure(record)
+    on_node = record.get("node") is not None and where.startswith(f"node {record['node']}: ")
+    return f"the job failed on {where}" if on_node else f"the job failed: {where}"
 
 
 def raise_if_failed(store: Any, what: str) -> None:

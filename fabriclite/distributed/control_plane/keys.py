@@ -12,8 +12,8 @@ supervisor, rank 0 hosts it (or torchrun's agents' store is joined). Its layout:
   store that outlives every start.
 
 Nothing grows with the number of steps: every key is written once per round or overwritten in place, and the
-ones that are done with are deleted. Per round (N nodes, W ranks): the counters, the failure record, W progress
-records, 2 N straggler slots; the restart agreement adds 2 keys per failed round, and node 0 deletes the previous
+ones that are done with are deleted. Per round (N nodes, W ranks): the counters (N pulses), N host names, the failure
+record, W progress records, 2 N straggler slots; the restart agreement adds 2 keys per failed round, and node 0 deletes the previous
 round's when it decides.
 
 =====================================  ===================================  ==================================
@@ -23,11 +23,15 @@ key (under ``fabriclite/``)            written by / read by                 goes
                                        (a root cause replaces a secondary
                                        one) / every supervisor and waiting
                                        rank, once the flag is up
-``pulse``                              every supervisor, +1 every           with the round's part
+``pulse/<node>``                       node N's supervisor, +1 every        with the round's part
                                        ``liveness.PULSE_S`` (its answer
                                        carries the failure flag), +FAILED
-                                       with the failure / node 0's as it
-                                       leaves (someone is still alive)
+                                       with the failure / node 0's, all at
+                                       once (check + multi_get): a node
+                                       whose count stops moving is lost
+``host/<node>``                        node N's supervisor at the round's   with the round's part
+                                       start / node 0's, when it names a
+                                       node that stopped answering
 ``ended``                              each supervisor as it leaves, +1 /   with the round's part
                                        node 0's
 ``arrived/count``                      each rank at launch, +1; +FAILED     with the round's part
@@ -72,14 +76,28 @@ def round_part(round_number: int) -> str:
     return "" if round_number == 0 else f"round{round_number}"
 
 
-#: the supervisors' pulse counter (under PREFIX, in a round's part): see liveness.pulse
+#: the prefix of the supervisors' pulse counters, one per node (under PREFIX, in a round's part): see liveness.pulse
 PULSE = "pulse"
 #: how many supervisors have left (under PREFIX, in a round's part): see liveness.leave
 ENDED = "ended"
-#: added to every counter in FLAGGED when a failure is published: a counter at or above it says "failed"
+#: added to every counter of ``flagged`` when a failure is published: a counter at or above it says "failed"
 FAILED = 1 << 40
-#: the counters that carry the failure flag (under PREFIX): whoever polls one of them sees a failure for free
-FLAGGED = (PULSE, f"{ARRIVED}/count")
+
+
+def pulse(node: int) -> str:
+    """Node ``node``'s pulse counter: its supervisor adds 1 every ``liveness.PULSE_S`` (node 0 reads them all)."""
+    return f"{PULSE}/{node}"
+
+
+def node_host(node: int) -> str:
+    """Node ``node``'s host name and address, as its supervisor announced them at the round's start."""
+    return f"host/{node}"
+
+
+def flagged(num_nodes: int) -> list:
+    """The counters that carry the failure flag (under PREFIX): every node's pulse and the ranks' check-in count,
+    so whoever polls one of them sees a failure for free."""
+    return [f"{ARRIVED}/count", *(pulse(node) for node in range(num_nodes))]
 #: added to the restart reports' counter by a node that cannot go on (its low bits count the reports)
 UNABLE = 1 << 20
 

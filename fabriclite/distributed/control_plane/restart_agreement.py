@@ -41,8 +41,8 @@ class Agreement:
         if self.node == 0:
             count = self.store.add(keys.restart_reports(self.round), 0)
             timed_out = time.monotonic() > self._deadline
-            if count % keys.UNABLE < self.nodes and not timed_out:
-                return False
+            if self.able and count % keys.UNABLE < self.nodes and not timed_out:
+                return False  # node 0 itself unable (a signal, a lost node): no report can change the outcome
             able = self.able and not timed_out and count < keys.UNABLE
             self.decision = self.allowed() if able else None
             self.store.set(keys.restart_decision(self.round), json.dumps({"delay": self.decision}))

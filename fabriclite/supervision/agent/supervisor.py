@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from datetime import timedelta
@@ -30,6 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 from fabriclite.distributed import rendezvous
 from fabriclite.distributed.control_plane import failure_flag, liveness, meeting
+from fabriclite.distributed.network import local_address_towards
+from fabriclite.distributed.store_client import Request, StoreClient, clock
 from fabriclite.environments.fabriclite_env import child_env
 from fabriclite.supervision.rank.child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV, stop_marker
 from fabriclite.supervision.processes.failures import Failure, remote_is_root, root_cause, signal_name, summarize
@@ -95,6 +98,15 @@ class Supervisor:
         self._tmpdir = ""
         self._store: Any = None
         self._raw_store: Any = None
+        self._tcp_store: Any = None
+        #: the heartbeat timeout (control_plane/liveness.py): a node lost for this long ends the job
+        self.loss_s = liveness.loss_timeout(timeout.total_seconds())
+        #: the pulse in flight on the store's thread, when the next one is due, node 0's watch over the others
+        self._beat: Optional[Request] = None
+        self._next_beat = 0.0
+        self._heartbeats: Optional[liveness.Heartbeats] = None
+        #: a node was lost (this one lost the store, or node 0 lost another): no restart can bring it back
+        self._lost = False
         self._opening = False
         self._reaper: Optional[Reaper] = None
         self.restarts = restarts or RestartPolicy()
@@ -126,11 +138,14 @@ class Supervisor:
     # ------------------------------------------------------------------ the job's store
     def _open_store(self) -> None:
         if self.layout.node_rank == 0:
-            self._raw_store = rendezvous.host_store(self.main_address, self.main_port, self.timeout)
-            self.main_port = self._raw_store.port
+            self._tcp_store = rendezvous.host_store(self.main_address, self.main_port, self.timeout)
+            self.main_port = self._tcp_store.port
         else:
-            self._raw_store = rendezvous.join_store(self.main_address, self.main_port, self.timeout)
-        self._store = meeting.job_view(self._raw_store)  # round 0's (see _play)
+            self._tcp_store = rendezvous.join_store(self.main_address, self.main_port, self.timeout)
+        # every request of this supervisor has a deadline, and none outlasts a signal (distributed/store_client.py)
+        self._raw_store = StoreClient(self._tcp_store, f"{self.main_address}:{self.main_port}", self.loss_s,
+                                      lambda: self._signal is not None)
+        self._store = self._raw_store.view(meeting.job_view(self._tcp_store))  # round 0's (see _play)
 
     def _open_lighthouse(self, live: LiveOptions) -> None:
         """Node 0 (without --lighthouse) starts the lighthouse; every node waits until it answers (LighthouseError
@@ -178,12 +193,12 @@ class Supervisor:
 
     @property
     def raw_store(self) -> Any:
-        """The job's store, unprefixed (node 0 hosts it)."""
+        """The job's store, unprefixed (node 0 hosts it), each request with a deadline (StoreClient)."""
         return self._raw_store
 
     def can_restart(self) -> bool:
-        """Whether this node may start a new round (not after a signal)."""
-        return self._signal is None and not self.preemption.active
+        """Whether this node may start a new round (not after a signal, nor once a node was lost)."""
+        return self._signal is None and not self.preemption.active and not self._lost
 
     def stopped_code(self, code: int) -> int:
         """The exit code of a failed round that is not restarted: 75 when preempted, else ``code``."""
@@ -251,7 +266,8 @@ class Supervisor:
         them; the round's exit code (its summary in ``summary``)."""
         assert self._reaper is not None
         self.round, self.summary = number, ""
-        self._store = meeting.job_view(self._raw_store, number)
+        self._store = self._raw_store.view(meeting.job_view(self._tcp_store, number))
+        self._start_heartbeat()
         if os.path.exists(self._stop_marker):
             os.unlink(self._stop_marker)
         self.record.round_start(number, self.restarts.backoff(number - 1) if number else None)
@@ -283,7 +299,6 @@ class Supervisor:
     def _watch(self) -> int:
         running = dict(self.ranks.workers)
         failures: List[Failure] = []
-        next_remote = time.monotonic() + liveness.PULSE_S
         while running:
             if self._signal is not None:
                 return self._interrupted(self._signal)
@@ -301,18 +316,81 @@ class Supervisor:
             self.ranks.check_up(self.progress.last, self._when_up)
             if hung is not None:
                 return self._hung(hung)
-            if self.layout.num_nodes > 1 and time.monotonic() >= next_remote:
-                next_remote = time.monotonic() + liveness.PULSE_S
-                remote = liveness.pulse(self._store)  # one request: alive, and the failure flag in its answer
-                if remote is not None:
-                    self.summary = (f"fabriclite: the job failed on {failure_flag.describe_failure(remote)}\n"
-                                    f"  stopping the ranks of node {self.layout.node_rank}.")
-                    if remote.get("hang"):  # every node reports its own ranks' stacks
-                        self.summary += "\n" + self._stacks(f"node {remote.get('node')} reported a hang")
-                    self.record.failure(remote.get("rank"), str(remote.get("message", "")), 1, bool(remote.get("hang")))
-                    return 1
+            if self.layout.num_nodes > 1:
+                code = self._heartbeat()
+                if code is not None:
+                    return code
             time.sleep(POLL_S)
         return 0
+
+    # ------------------------------------------------------------------ heartbeats (control_plane/liveness.py)
+    def _start_heartbeat(self) -> None:
+        """A round's heartbeat: say where this node runs; node 0 watches every other node's pulse."""
+        self._beat, self._next_beat, self._heartbeats = None, 0.0, None
+        if self.layout.num_nodes == 1:
+            return
+        node = self.layout.node_rank
+        if node == 0:
+            self._heartbeats = liveness.Heartbeats(self.layout.num_nodes, self.layout.local_world_size, self.loss_s)
+        host = socket.gethostname()
+        address = local_address_towards(self.main_address)
+        try:
+            liveness.announce(self._store, node, f"{host}, {address}" if address and address != host else host)
+        except RuntimeError:
+            pass  # the store is already unreachable: the heartbeat says so
+
+    def _heartbeat(self) -> Optional[int]:
+        """Every PULSE_S this node's pulse, and node 0's watch over the others, on the store's thread (the loop never
+        waits for an answer): the round's exit code once the job failed elsewhere, node 0 found a node that stopped
+        answering, or this node's pulse got no answer for the heartbeat timeout; else None."""
+        beat = self._beat
+        if beat is not None and not beat.done.is_set():
+            sent = beat.started or beat.submitted
+            return self._store_lost(sent) if time.time() - sent > self.loss_s else None
+        if beat is not None:
+            self._beat = None
+            try:
+                remote = beat.outcome()
+            except RuntimeError as err:  # the store answered with an error: its host is gone
+                remote = {"node": None, "rank": None, "timestamp": time.time(), "secondary": False,
+                          "message": f"the job's rendezvous store is gone (its supervisor ended?): {err}"}
+            if remote is not None:
+                return self._failed_elsewhere(remote)
+        if time.monotonic() >= self._next_beat:
+            self._next_beat = time.monotonic() + liveness.PULSE_S
+            self._beat = self._store.submit(self._pulse)
+        return None
+
+    def _pulse(self, store: Any) -> Optional[Dict[str, Any]]:
+        """On the store's thread: one pulse (the failure flag in its answer); node 0 also reads every node's pulse and
+        publishes the nodes that stopped answering as the job's failure."""
+        remote = liveness.pulse(store, self.layout.node_rank)
+        if remote is None and self._heartbeats is not None:
+            remote = self._heartbeats.poll(store)
+            if remote is not None:
+                failure_flag.publish_failure(store, remote, self.layout.num_nodes)
+        return remote
+
+    def _failed_elsewhere(self, remote: Dict[str, Any]) -> int:
+        """The job failed on another node (or node 0 found one that stopped answering): stop this node's ranks."""
+        self._lost = self._lost or bool(remote.get("lost"))
+        self.summary = (f"fabriclite: {failure_flag.failure_line(remote)}\n"
+                        f"  stopping the ranks of node {self.layout.node_rank}.")
+        if remote.get("hang"):  # every node reports its own ranks' stacks
+            self.summary += "\n" + self._stacks(f"node {remote.get('node')} reported a hang")
+        self.record.failure(remote.get("rank"), str(remote.get("message", "")), 1, bool(remote.get("hang")))
+        return 1
+
+    def _store_lost(self, since: float) -> int:
+        """This node's pulse got no answer for the heartbeat timeout: it cannot reach the job (a partition, or node
+        0's host is down). End this node's ranks, naming the store and since when."""
+        self._lost = True
+        node = self.layout.node_rank
+        why = (f"the job's store on node 0 ({self.main_address}:{self.main_port}) is unreachable since {clock(since)} "
+               f"(no answer for {time.time() - since:.0f} s, --heartbeat-timeout {self.loss_s:g})")
+        self.summary = f"fabriclite: node {node} lost the job's store: {why}.\n  stopping the ranks of node {node}."
+        self.record.failure(None, f"node {node} lost the job's store: {why}", 1, False)
+        return 1
 
     def _observe(self, view: RoundView) -> Optional[str]:
         """Hand ``view`` to every watcher in turn; write their events to the record (node 0 prints their lines).
@@ -348,7 +426,7 @@ class Supervisor:
             self.record.hang(root.error_line, self.hangs.taken or self.summary[self.summary.find("--- live stacks"):])
         if remote_is_root(remote, root, self.layout.node_rank):
             return 1
-        failure_flag.publish_failure(self._store, {**root.record(), "hang": hang})
+        failure_flag.publish_failure(self._store, {**root.record(), "hang": hang}, self.layout.num_nodes)
         return root.exit_code
 
     def _stacks(self, why: str, failed: Set[int] = frozenset()) -> str:  # type: ignore[assignment]
@@ -381,7 +459,7 @@ class Supervisor:
         if self._store is not None:
             failure_flag.publish_failure(self._store, {
                 "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
-                "message": f"the supervisor of node {self.layout.node_rank} {what}", **fields})
+                "message": f"the supervisor of node {self.layout.node_rank} {what}", **fields}, self.layout.num_nodes)
 
     def _leave(self, failed: bool) -> None:
         """Across nodes, node 0 keeps the store up until the other nodes have ended (control_plane/liveness.py)."""

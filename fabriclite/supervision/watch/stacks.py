@@ -74,11 +74,18 @@ class RankStack:
     missing: str = ""
 
 
+def package_root() -> str:
+    """The fabriclite package's folder: this module's, up one folder for each package between them."""
+    path = os.path.dirname(os.path.abspath(__file__))
+    for _ in range(__name__.count(".") - 1):
+        path = os.path.dirname(path)
+    return path
+
+
 def _library_roots() -> Tuple[str, ...]:
     paths = sysconfig.get_paths()
     roots = {paths.get("stdlib", ""), paths.get("platstdlib", ""), paths.get("purelib", ""),
-             paths.get("platlib", ""), sys.prefix, sys.base_prefix, sys.exec_prefix,
-             os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # the fabriclite package
+             paths.get("platlib", ""), sys.prefix, sys.base_prefix, sys.exec_prefix, package_root()}
     return tuple(sorted((os.path.abspath(r) + os.sep for r in roots if r), key=len, reverse=True))
 
 

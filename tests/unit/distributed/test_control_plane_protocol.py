@@ -56,7 +56,12 @@ def view(server: TCPStore) -> Counting:
 def test_every_poll_makes_a_fixed_number_of_requests_however_many_nodes(server: TCPStore, view: Counting) -> None:
     nodes = 1000
     # the pulse: one request, and the failure flag rides in its answer
-    assert view.count(liveness.pulse, view) == 1
+    assert view.count(liveness.pulse, view, 7) == 1
+    # node 0 watching every node's pulse: two requests (check, multi_get) however many nodes
+    for node in range(1, nodes):
+        liveness.pulse(view.store, node)
+    heartbeats = liveness.Heartbeats(nodes, 8, 15.0)
+    assert view.count(heartbeats.poll, view) == 2
     # the restart agreement: node 0 reads every node's word in one request; the others one each
     _round[0] += 1
     raw = Counting(server)
@@ -103,8 +108,8 @@ def test_the_keys_do_not_grow_with_the_steps(view: Counting) -> None:
             for rank in range(world):
                 collective_progress.publish(view, rank, {"counts": {"all": [step, "all_reduce"]}, "time": 0.0,
                                                          "left": False})
-            for _ in range(nodes):
-                assert liveness.pulse(view) is None
+            for node in range(nodes):
+                assert liveness.pulse(view, node) is None
         if step in (50, 400):
             counts[step] = view.store.num_keys()
     assert counts[400] == counts[50], counts
@@ -131,9 +136,10 @@ def test_a_published_failure_reaches_every_poller_in_its_answer(view: Counting) 
     arrival = meeting.Arrival(view, keys.ARRIVED, 0, 2)
     arrival.arrive()
     assert not arrival.poll()
-    failure_flag.publish_failure(view, {"node": 1, "rank": 3, "message": "rank 3 raised", "secondary": False})
-    record = liveness.pulse(view)
-    assert record is not None and record["rank"] == 3
+    failure_flag.publish_failure(view, {"node": 1, "rank": 3, "message": "rank 3 raised", "secondary": False}, 2)
+    for node in range(2):
+        record = liveness.pulse(view, node)
+        assert record is not None and record["rank"] == 3
     with pytest.raises(failure_flag.JobFailedElsewhere, match="rank 3 raised"):
         arrival.poll()
     waiter = rank_zero_first.Waiter(view, keys.rank_zero_first(9), 1)

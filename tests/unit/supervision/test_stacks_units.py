@@ -167,3 +167,14 @@ def test_pyspy_reads_a_live_rank_and_names_its_threads(tmp_path):
         proc.wait()
     assert taken.method == "py-spy dump", taken
     assert {t.name for t in taken.threads} == {"MainThread", "sleeper"}
+
+
+def test_fabriclite_frames_are_not_the_users_code_when_imported_from_a_source_tree() -> None:
+    import fabriclite
+    import fabriclite.strategies.base
+
+    root = os.path.dirname(os.path.abspath(fabriclite.__file__))
+    assert stacks.package_root() == root
+    for module in (fabriclite.fabric, fabriclite.precision, fabriclite.strategies.base, stacks):
+        assert not stacks.is_user_file(module.__file__), module.__file__
+    assert stacks.is_user_file(os.path.join(os.path.dirname(root), "train.py"))  # a script beside the package
