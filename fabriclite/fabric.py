@@ -16,11 +16,13 @@ from torch.utils.data import DataLoader
 
 from fabriclite import collectives
 from fabriclite.accelerators import Accelerator
-from fabriclite.checkpoint import elastic, lineage, manifest, resume_state
+from fabriclite.checkpoint import lineage, manifest, resume_state
 from fabriclite.checkpoint.resume_state import ResumeState
 from fabriclite.checkpoint.saving import load_raw
 from fabriclite.compat import lightning_module, run_method, user_warnings
 from fabriclite.connector import Connector, cli_used
+from fabriclite.data import elastic_dealing
+from fabriclite.data.sampling import gather_eval as _gather_eval
 from fabriclite.loggers.base import scalars, share_logger_state
 from fabriclite.strategies import Strategy
 from fabriclite.supervision.rank import progress as rank_progress
@@ -31,8 +33,6 @@ from fabriclite.supervision.rank.child import ERROR_FILE_ENV, exit_on_error, rec
 from fabriclite.supervision.agent.restarts import agree_restart_count, restart_count
 from fabriclite.training import live_recovery, module_setup, wrapping
 from fabriclite.training.callbacks import as_callback_list, call_hook
-from fabriclite.training.dataloaders import gather_eval as _gather_eval
-from fabriclite.training.dataloaders import setup_dataloader as _setup_dataloader
 from fabriclite.training.seeding import seed_everything as _seed_everything
 from fabriclite.training.wrapping import FabricModule, FabricOptimizer
 
@@ -286,11 +286,11 @@ class Fabric:
 
     def setup_dataloaders(self, *dataloaders: DataLoader, use_distributed_sampler: bool = True,
                           move_to_device: bool = True) -> Any:
-        """Each loader sharded across ranks and moving batches to the device (see fabriclite.training.dataloaders)."""
+        """Each loader sharded across ranks and moving batches to the device (see fabriclite.data.sampling)."""
         self._check_launched("setup_dataloaders")
         if not dataloaders:
             raise ValueError("setup_dataloaders() needs at least one DataLoader.")
-        out = [_setup_dataloader(dl, self._strategy, use_distributed_sampler, move_to_device)
+        out = [module_setup.setup_dataloader(dl, self._strategy, use_distributed_sampler, move_to_device)
                for dl in dataloaders]
         return out[0] if len(out) == 1 else out
 
@@ -363,9 +363,9 @@ class Fabric:
         return progress_bar(iterable, enabled=self.is_global_zero, **kwargs)
 
     def gather_eval(self, data: Any, dataloader: Any) -> Any:
-        """Per-sample results of one eval pass from every rank, each sample once (see fabriclite.training.dataloaders)."""
+        """Per-sample results of one eval pass from every rank, each sample once (see fabriclite.data.sampling)."""
         self._check_launched("gather_eval")
-        return _gather_eval(self._strategy, data, dataloader)
+        return _gather_eval(self._strategy, data, wrapping.unwrap(dataloader))
 
     # ------------------------------------------------------------------ checkpoints and preemption
     def save(self, path: Union[str, "os.PathLike[str]"], state: Dict[str, Any],
@@ -387,11 +387,11 @@ class Fabric:
     def load(self, path: Union[str, "os.PathLike[str]"], state: Optional[Dict[str, Any]] = None,
              strict: bool = True, *, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Restore ``state`` in place from ``path``; returns what was not restored (all of it without state). A
-        checkpoint of another world size resumes elastically, said in one warning (fabriclite.checkpoint.elastic)."""
+        checkpoint of another world size resumes elastically, said in one warning (fabriclite.data.elastic_dealing)."""
         self._check_launched("load")
         unwrapped = wrapping.unwrap(state, loaders=False)
         resume_state.set_strict(unwrapped, strict)
-        with elastic.one_warning(self.global_rank == 0):
+        with elastic_dealing.one_warning(self.global_rank == 0):
             remainder = self._strategy.load_checkpoint(path, unwrapped, strict=strict, weights_only=weights_only)
         if self.global_rank == 0:
             manifest.note_loaded(self._lineages, os.fspath(path))  # a later keep= save continues its lineage

@@ -6,11 +6,11 @@
   strategies, to a torch.distributed.checkpoint directory (``dcp``), and back.
 - ``manifest``: ``save(..., keep=K)`` records complete checkpoints in the directory's manifest (the commit point)
   and ``latest`` finds the newest one for ``fabric.load_latest``.
-- ``resume_state`` (every rank's RNG states) and ``loader_position`` (where a loader stands in its epoch): what
-  makes a resumed run continue exactly.
-- ``elastic``: what a checkpoint of W ranks means at W' != W (the rest of an epoch dealt over the new ranks, new
-  ranks' seeds, the load's one warning).
+- ``resume_state``: every rank's RNG states, and a new rank's seeds when the world size changed (what makes a
+  resumed run draw the same random numbers); where a loader stands is ``fabriclite.data``'s.
+- ``stream_position``, ``elastic``: the paths ``StreamPositionError``, ``deal_rest``, ``RestSampler`` and
+  ``new_rank_seed`` were first given, one import line per module (the first three live in ``fabriclite.data``).
 
-May import: ``strategies`` (for types only), ``collectives``, ``distributed`` and what lies below them. Never
-``training``, ``fabric``, ``connector`` or ``cli``.
+May import: ``data``, ``collectives``, ``distributed`` and what lies below them (a strategy is duck-typed here).
+Never ``strategies``, ``training``, ``fabric``, ``connector`` or ``cli``.
 """

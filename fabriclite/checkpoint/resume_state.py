@@ -6,7 +6,8 @@ states of torch's CPU generator, every CUDA device's generator (when CUDA is ini
 generator (when numpy is installed) and Python's ``random``. Loading restores each rank's own states. The
 stored values are tensors, ints and tuples only, so the file loads with ``weights_only=True``. Loaded by another
 number of ranks (elastic resume), the ranks that existed get their own states back and a new rank seeds its
-generators from rank 0's saved state and its rank number (``fabriclite.checkpoint.elastic``).
+generators from rank 0's saved state and its rank number (:func:`new_rank_seed`; the loader's side of an elastic
+resume is ``fabriclite.data.elastic_dealing``, whose one warning these notes join).
 
 Together with the loader's position (``FabricDataLoader.state_dict``) this makes a resumed run draw the same
 random numbers (dropout, augmentations in the main process, shuffles) as one that never stopped.
@@ -18,13 +19,14 @@ is duck-typed here: this floor does not import strategies. Version 1 states (wit
 """
 from __future__ import annotations
 
+import hashlib
 import random
 import warnings
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from fabriclite.checkpoint import elastic
+from fabriclite.data import elastic_dealing
 
 #: what ``ResumeState.state_dict()`` holds, to recognise it (and its version) on load
 FORMAT = "fabriclite.resume"
@@ -84,7 +86,7 @@ class ResumeState:
 
     ``state_dict()`` is a collective: every rank must save the same state dict. ``load_state_dict(d)``
     restores this rank's generators; a checkpoint written by a different number of ranks restores the ranks that
-    existed then and seeds the new ones from rank 0's state (elastic resume, ``fabriclite.checkpoint.elastic``).
+    existed then and seeds the new ones from rank 0's state (elastic resume, :func:`new_rank_seed`).
     ``fabric.load(..., strict=...)`` sets ``strict``. Under plain ``ddp`` it saves DDP's gradient bucket layout and
     loading applies it (at any world size: the layout is per parameter). Made under ``ddp`` on 3 or more ranks with
     the layout not recorded (static_graph, or switched off), it warns (on rank 0) that the resume will not be
@@ -131,13 +133,13 @@ class ResumeState:
 
     def _load_elastic(self, ranks: List[Dict[str, Any]], saved: int, world: int, rank: int) -> None:
         """A checkpoint of ``saved`` ranks loaded by ``world``: a rank that existed gets its own states, a new one
-        every generator seeded from rank 0's saved state and its rank (``elastic.new_rank_seed``); one note for the
+        every generator seeded from rank 0's saved state and its rank (:func:`new_rank_seed`); one note for the
         load's one warning (global rank 0)."""
         self.loaded = ranks
         if rank < saved:
             restore_rng(ranks[rank])
         else:
-            seed = elastic.new_rank_seed(ranks[0]["torch"], rank)
+            seed = new_rank_seed(ranks[0]["torch"], rank)
             torch.manual_seed(seed)
             random.seed(seed)
             numpy = _numpy()
@@ -145,14 +147,32 @@ class ResumeState:
                 numpy.random.seed(seed % 2 ** 32)
         kept = min(saved, world)
         text = (f"the random states were saved by {saved} ranks and this run has {world}: "
-                f"{elastic.ranks_text(range(kept))} restored {'its' if kept == 1 else 'their'} own")
+                f"{ranks_text(range(kept))} restored {'its' if kept == 1 else 'their'} own")
         if world > saved:
-            text += (f"; {elastic.ranks_text(range(saved, world))} {'is' if world - saved == 1 else 'are'} new: each "
+            text += (f"; {ranks_text(range(saved, world))} {'is' if world - saved == 1 else 'are'} new: each "
                      "seeded every generator from rank 0's saved torch state and its rank number "
                      "(fabriclite.checkpoint.elastic.new_rank_seed)")
         else:
-            text += f"; the states of {elastic.ranks_text(range(world, saved))} were not used"
-        elastic.note(text + ".", self._strategy.global_rank == 0)
+            text += f"; the states of {ranks_text(range(world, saved))} were not used"
+        elastic_dealing.note(text + ".", self._strategy.global_rank == 0)
+
+
+def new_rank_seed(rank0_torch_state: torch.Tensor, rank: int) -> int:
+    """The seed a rank that did not exist at save time gets for every generator: the first 63 bits of the SHA-256
+    of rank 0's saved torch generator state followed by the rank number (8 bytes, little-endian)."""
+    data = bytes(rank0_torch_state.to(torch.uint8).flatten().tolist()) + int(rank).to_bytes(8, "little")
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") & (2 ** 63 - 1)
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``[2]`` as ``"rank 2"``, ``[0, 1, 2, 5]`` as ``"ranks 0-2, 5"``."""
+    parts: List[str] = []
+    for rank in sorted(ranks):
+        if parts and parts[-1].split("-")[-1] == str(rank - 1):
+            parts[-1] = f"{parts[-1].split('-')[0]}-{rank}"
+        else:
+            parts.append(str(rank))
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
 def set_strict(state: Optional[Mapping[str, Any]], strict: bool) -> None:
@@ -175,4 +195,4 @@ def _numpy() -> Any:
     return numpy
 
 
-__all__ = ["ResumeState", "capture_rng", "inexact_buckets", "restore_rng", "set_strict"]
+__all__ = ["ResumeState", "capture_rng", "inexact_buckets", "new_rank_seed", "ranks_text", "restore_rng", "set_strict"]

@@ -1,16 +1,23 @@
-"""The set-up flow behind ``Fabric.setup()`` / ``setup_module()`` / ``setup_optimizers()``: checks the objects
-given (each set up once, an optimizer holding only the module's parameters), converts the module to the
-precision, moves it to the device, lets the strategy wrap module and optimizers, moves the optimizers' state to
-their parameters' devices, and returns the wrappers of ``training.wrapping``."""
+"""The set-up flow behind ``Fabric.setup()`` / ``setup_module()`` / ``setup_optimizers()`` / ``setup_dataloaders()``:
+checks the objects given (each set up once, an optimizer holding only the module's parameters), converts the module
+to the precision, moves it to the device, lets the strategy wrap module and optimizers, moves the optimizers' state to
+their parameters' devices; deals a loader's samples over the ranks (``data.sampling``) and seeds its workers; and
+returns the wrappers of ``training.wrapping``."""
 from __future__ import annotations
 
+import copy
+from functools import partial
 from typing import Any, List, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader, IterableDataset
 
+from fabriclite.data import sampling
 from fabriclite.strategies.base import Strategy
-from fabriclite.training.wrapping import FabricModule, FabricOptimizer, _is_compiled, _unwrap_compiled
+from fabriclite.training.seeding import global_seed, seed_workers_enabled, worker_init_fn
+from fabriclite.training.wrapping import (FabricDataLoader, FabricModule, FabricOptimizer, _is_compiled,
+                                          _unwrap_compiled)
 
 
 def setup_module(strategy: Strategy, module: nn.Module, optimizers: Sequence[Optimizer] = (),
@@ -68,6 +75,31 @@ def setup_optimizers(strategy: Strategy, optimizers: Sequence[Optimizer],
         move_optimizer_state(optimizer)
         out.append(FabricOptimizer(optimizer, strategy, callbacks))
     return out
+
+
+def setup_dataloader(dataloader: DataLoader, strategy: Strategy, use_distributed_sampler: bool = True,
+                     move_to_device: bool = True) -> FabricDataLoader:
+    """``dataloader`` prepared for this rank: a copy whose samples are dealt over the ranks (``data.sampling``; an
+    ``IterableDataset`` is left alone, as with ``use_distributed_sampler=False``), its workers seeded per rank when
+    ``seed_everything(..., workers=True)`` was called; the original is not modified.
+
+    Iterating the result moves every batch (nested tensors) to the strategy's device when
+    ``move_to_device``, and calls ``set_epoch`` on the sampler for each new epoch.
+    """
+    if isinstance(dataloader, FabricDataLoader):
+        raise ValueError("This dataloader was set up already; pass each loader to setup_dataloaders() once.")
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(f"setup_dataloaders() takes torch.utils.data.DataLoader objects; got "
+                        f"{type(dataloader).__name__}.")
+    loader = copy.copy(dataloader)
+    loader._iterator = None  # type: ignore[attr-defined] # do not share persistent workers with the original
+    kwargs = strategy.distributed_sampler_kwargs
+    if use_distributed_sampler and kwargs is not None and not isinstance(loader.dataset, IterableDataset):
+        sampling.shard(loader, kwargs, global_seed())
+    if seed_workers_enabled() and loader.worker_init_fn is None and loader.num_workers > 0:
+        loader.worker_init_fn = partial(worker_init_fn, rank=strategy.global_rank)
+    loader = strategy.process_dataloader(loader)
+    return FabricDataLoader(loader, strategy, strategy.root_device if move_to_device else None)
 
 
 def move_optimizer_state(optimizer: Optimizer) -> None:

@@ -9,7 +9,8 @@
   ``step(closure)``; ``isinstance(wrapped, type(original))`` holds.
 - ``FabricDataLoader``: iterates the loader with the batches moved to the device and calls the sampler's
   ``set_epoch`` once per new epoch (each ``iter()``); its position (epoch, and batch inside the epoch) is
-  saved / restored with ``state_dict()`` so a resumed run continues with the next batch (loader_position).
+  saved / restored with ``state_dict()`` so a resumed run continues with the next batch (``data.epoch_position``;
+  a stream's: ``data.streams``).
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from fabriclite.checkpoint import elastic, loader_position
-from fabriclite.training import forward_methods, stream_resume
+from fabriclite.data import elastic_dealing, epoch_position, streams
+from fabriclite.training import forward_methods
 from fabriclite.training.callbacks import call_hook
 from fabriclite.strategies.base import Strategy
 from fabriclite.supervision.rank import progress as rank_progress
@@ -182,7 +183,7 @@ class FabricDataLoader:
         self._dealing: Optional[Dict[str, Any]] = None  # the next epoch deals its rest after a start (elastic)
         self._running: Optional[Dict[str, Any]] = None  # the running epoch's dealing
         self._running_length: Optional[int] = None  # the running epoch's batches
-        self._streams = stream_resume.Streams(dataloader, strategy)  # a stream's position (IterableDataset, torchdata)
+        self._streams = streams.Streams(dataloader, strategy)  # a stream's position (IterableDataset, torchdata)
 
     @property
     def device(self) -> Optional[torch.device]:
@@ -215,36 +216,37 @@ class FabricDataLoader:
         order); between epochs, the next one and 0; the sizes the position holds for; for a loader dealt by a plain
         DistributedSampler also its ``seed``, ``shuffle`` and the samples of the epoch's order the job consumed
         (``start``, ``samples``), which let a run at another world size continue the epoch
-        (``fabriclite.checkpoint.loader_position``, ``fabriclite.checkpoint.elastic``). For a stream (an
+        (``fabriclite.data.epoch_position``, ``fabriclite.data.elastic_dealing``). For a stream (an
         IterableDataset, or a torchdata StatefulDataLoader) also ``num_workers``, its kind and, inside an epoch, every
-        rank's per-worker states (``fabriclite.training.stream_resume``): then a collective, called on every rank
+        rank's per-worker states (``fabriclite.data.streams``): then a collective, called on every rank
         (``fabric.save`` does)."""
         running = self._consumed is not None
-        state = loader_position.position(self._num_iter_calls, self._consumed, self._skip,
-                                         self._running_length if running else None,
-                                         loader_position.loader_shape(self._dataloader),
-                                         self._running if running else self._dealing)
+        state = epoch_position.position(self._num_iter_calls, self._consumed, self._skip,
+                                        self._running_length if running else None,
+                                        epoch_position.loader_shape(self._dataloader),
+                                        self._running if running else self._dealing)
         return self._streams.record(state, running)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Make the next ``iter()`` resume at ``state`` (an old ``{"epoch": n}`` starts epoch n at batch 0). A position
         inside an epoch saved at another world size continues that epoch with the samples its order has left, dealt
         over this loader's ranks, and says so in one warning (global rank 0); saved with another batch size per rank
-        or dataset length it is a ValueError naming both (``fabriclite.checkpoint.loader_position``). A stream's
+        or dataset length it is a ValueError naming both (``fabriclite.data.epoch_position``). A stream's
         position that cannot be carried to this run's world size or number of workers is a ``StreamPositionError``
-        (``fabriclite.checkpoint.stream_position``)."""
+        (``fabriclite.data.stream_kinds``)."""
         self._streams.forget()
         if isinstance(state, Mapping) and ("stream" in state or "torchdata" in state) and int(state.get("batch", 0)):
             skip = self._streams.load(dict(state))
             if skip is not None:
                 self._num_iter_calls, self._skip, self._consumed, self._dealing = int(state["epoch"]), skip, None, None
                 return
-        where = loader_position.read_position(state, loader_position.loader_shape(self._dataloader))
+        where = epoch_position.read_position(state, epoch_position.loader_shape(self._dataloader))
         self._num_iter_calls, self._skip, self._consumed = where["epoch"], where["batch"], None
         self._dealing = where["dealing"]
         if where["from_world_size"] is not None:
-            elastic.note(loader_position.elastic_note(self._dataloader, where["epoch"], where["dealing"],
-                                                      where["from_world_size"]), self._strategy.global_rank == 0)
+            note = epoch_position.elastic_note(self._dataloader, where["epoch"], where["dealing"],
+                                               where["from_world_size"])
+            elastic_dealing.note(note, self._strategy.global_rank == 0)
         elif "torchdata" in state and where["batch"] and where["dealing"] is None:  # StatefulDataLoader, same size
             self._streams.resume_torchdata(state["torchdata"], where["batch"])
             self._skip = 0
@@ -258,7 +260,7 @@ class FabricDataLoader:
         self._num_iter_calls += 1
         skip, self._skip = self._skip, 0
         dealing, self._dealing = self._dealing, None
-        loader = self._dataloader if dealing is None else loader_position.rest_loader(self._dataloader, epoch, dealing)
+        loader = self._dataloader if dealing is None else epoch_position.rest_loader(self._dataloader, epoch, dealing)
         self._running, self._running_length = dealing, _length(loader)
         self._consumed = skip or self._streams.resumed_batches()
         to_device, device = self._strategy.batch_to_device, self._device
@@ -268,7 +270,7 @@ class FabricDataLoader:
         if self._streams.tagged:
             batches = self._streams.batches()
         else:
-            batches = loader_position.iterate_from(loader, skip, resumed=dealing is not None)
+            batches = epoch_position.iterate_from(loader, skip, resumed=dealing is not None)
         for batch in batches:
             self._consumed = (self._consumed or 0) + 1
             yield batch if device is None else to_device(batch, device)

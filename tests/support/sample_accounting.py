@@ -101,7 +101,7 @@ def account(directory: str, any_later: bool = False) -> Accounting:
 
 
 def named_repeats(message: str) -> List[int]:
-    """The samples an elastic-resume warning names as repeated padding (fabriclite.checkpoint.loader_position)."""
+    """The samples an elastic-resume warning names as repeated padding (fabriclite.data.epoch_position)."""
     found = re.search(r"(\d+) repeated as padding(?: \[([\d, ]*)\])?", message)
     assert found, f"no padding named in {message!r}"
     names = [int(v) for v in found.group(2).split(",")] if found.group(2) else []

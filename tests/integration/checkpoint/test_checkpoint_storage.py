@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fabriclite import Fabric
-from fabriclite.checkpoint.elastic import epoch_order
+from fabriclite.data.elastic_dealing import epoch_order
 from fabriclite.strategies import FSDPStrategy
 from helpers import python, write_script
 

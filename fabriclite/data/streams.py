@@ -2,12 +2,12 @@
 an ``IterableDataset`` (or a torchdata ``StatefulDataLoader``), and how an epoch resumes from it.
 
 - Saving inside an epoch (``Streams.record``): the sizes the position holds for (world size, ``num_workers``, the
-  kind: ``checkpoint.stream_position``) and, for a stateful stream, every rank's per-worker states of the batches the
-  loop consumed (``training.stateful_loading``), gathered to every rank so that rank 0's file holds them all; for a
-  Hugging Face stream dealt by shards also each worker's stream of shards (``training.shard_dealing``); for a
+  kind: ``stream_kinds``) and, for a stateful stream, every rank's per-worker states of the batches the
+  loop consumed (``worker_snapshots``), gathered to every rank so that rank 0's file holds them all; for a
+  Hugging Face stream dealt by shards also each worker's stream of shards (``hf_shards``); for a
   ``StatefulDataLoader`` its own ``state_dict()``, per rank. ``record`` is a collective then: ``fabric.save`` calls
   it on every rank.
-- Loading (``Streams.load``): ``stream_position.plan`` decides; the position that cannot be carried over raises
+- Loading (``Streams.load``): ``stream_kinds.plan`` decides; the position that cannot be carried over raises
   ``StreamPositionError`` before the first batch.
 - The next epoch (``Streams.batches``): resumed from each worker's own state (same sizes), replayed (a stateless
   stream at the same sizes), or the shards' rest dealt again over this run's ranks and workers, padded so that every
@@ -21,8 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from fabriclite.checkpoint import elastic, loader_position, stream_position
-from fabriclite.training import shard_dealing, stateful_loading
+from fabriclite.data import elastic_dealing, epoch_position, hf_shards, stream_kinds, worker_snapshots
 
 _END = object()
 
@@ -37,14 +36,14 @@ class Streams:
         # dataset or workers of its own here: its stream, if any, is not tracked, as before streams were
         plain = hasattr(loader, "dataset") and hasattr(loader, "num_workers")
         self.num_workers = int(loader.num_workers) if plain else 0
-        self.torchdata = stream_position.is_torchdata_loader(loader)
-        self.kind = stream_position.stream_kind(loader, self.world_size) if plain else None
+        self.torchdata = stream_kinds.is_torchdata_loader(loader)
+        self.kind = stream_kinds.stream_kind(loader, self.world_size) if plain else None
         if self.torchdata and self.kind == "shards":
             self.kind = "stateful"  # torchdata runs the stream with its own states: fabriclite deals no shards
         self.ignore = False
         self._tagged: Optional[DataLoader] = None  # the plain epochs' tagged loader (its persistent workers)
         self._pending: Optional[Dict[str, Any]] = None  # how the next epoch resumes
-        self._consumed: Optional[stateful_loading.Consumed] = None  # the running epoch's consumed tags
+        self._consumed: Optional[worker_snapshots.Consumed] = None  # the running epoch's consumed tags
         self._plans: Optional[Dict[int, Dict[str, Any]]] = None  # the running epoch's shard streams per worker
         self._dealt = False  # the running epoch is a dealt rest (its ranks run in lockstep to its end)
 
@@ -60,9 +59,9 @@ class Streams:
             return state
         if self.kind is not None:
             state.update(world_size=self.world_size, num_workers=self.num_workers, stream=self.kind)
-            if self.kind != "shards" and stream_position.is_hf_iterable(self.loader.dataset):
-                state["hf_refusal"] = stream_position.shards_refusal(self.loader.dataset, self.world_size,
-                                                                     self.num_workers)
+            if self.kind != "shards" and stream_kinds.is_hf_iterable(self.loader.dataset):
+                state["hf_refusal"] = stream_kinds.shards_refusal(self.loader.dataset, self.world_size,
+                                                                  self.num_workers)
         if not running or int(state.get("batch", 0)) == 0:
             return state
         if self.torchdata:
@@ -73,7 +72,7 @@ class Streams:
             if self.kind == "shards":
                 mine.update(plans=self._plans, dealt=self._dealt)
             ranks = self._gather(mine)
-            if self.kind == "stateful" and stateful_loading.all_ended(ranks, self.num_workers):
+            if self.kind == "stateful" and worker_snapshots.all_ended(ranks, self.num_workers):
                 return {**state, "epoch": int(state["epoch"]) + 1, "batch": 0}  # an epoch's end is the next's start
             state["ranks"] = ranks
         return state
@@ -88,10 +87,10 @@ class Streams:
         self._pending = None
         epoch, batch = int(state["epoch"]), int(state["batch"])
         if "torchdata" in state and "stream" not in state:
-            return None  # a map-style StatefulDataLoader: loader_position decides, torchdata's state follows
-        refusal = stream_position.shards_refusal(self.loader.dataset, self.world_size, self.num_workers) \
-            if stream_position.is_hf_iterable(self.loader.dataset) else None
-        how = stream_position.plan(state, self.kind, self.world_size, self.num_workers, self.ignore, refusal)
+            return None  # a map-style StatefulDataLoader: epoch_position decides, torchdata's state follows
+        refusal = stream_kinds.shards_refusal(self.loader.dataset, self.world_size, self.num_workers) \
+            if stream_kinds.is_hf_iterable(self.loader.dataset) else None
+        how = stream_kinds.plan(state, self.kind, self.world_size, self.num_workers, self.ignore, refusal)
         if how == "restart":
             return 0
         if how == "replay":
@@ -104,21 +103,21 @@ class Streams:
             mine = ranks[self.rank]
             self._pending = {"how": "states", "tags": mine.get("workers", {}), "plans": mine.get("plans"),
                              "batch": batch, "dealt": bool(mine.get("dealt")),
-                             "first_worker": stateful_loading.next_worker(mine, self.num_workers),
+                             "first_worker": worker_snapshots.next_worker(mine, self.num_workers),
                              "last_worker": mine.get("last_worker")}
             return 0
         where = f"The loader's position, batch {batch} of epoch {epoch}"
-        rest = shard_dealing.rest(ranks, where)
-        plans = shard_dealing.deal(rest, self.world_size, self.num_workers)
+        rest = hf_shards.rest(ranks, where)
+        plans = hf_shards.deal(rest, self.world_size, self.num_workers)
         self._pending = {"how": "deal", "plans": plans[self.rank], "batch": 0, "dealt": True, "rest": rest}
         started = sum(1 for entry in rest if entry[1])
-        saved = stream_position.sizes(int(state["world_size"]), int(state.get("num_workers", 0)))
-        now = stream_position.sizes(self.world_size, self.num_workers)
-        elastic.note(f"the stream's position was saved by {saved} and this run has {now}: epoch {epoch} "
-                     f"continues with the {len(rest)} shards left ({started} of them part-read, each resumed at its "
-                     "offset), dealt over this run's ranks and workers; ranks whose share ends first repeat the "
-                     "start of their share as padding (counted in a warning at the epoch's end), or stop with the "
-                     "others under drop_last.", self.rank == 0)
+        saved = stream_kinds.sizes(int(state["world_size"]), int(state.get("num_workers", 0)))
+        now = stream_kinds.sizes(self.world_size, self.num_workers)
+        elastic_dealing.note(f"the stream's position was saved by {saved} and this run has {now}: epoch {epoch} "
+                             f"continues with the {len(rest)} shards left ({started} of them part-read, each resumed "
+                             "at its offset), dealt over this run's ranks and workers; ranks whose share ends first "
+                             "repeat the start of their share as padding (counted in a warning at the epoch's end), "
+                             "or stop with the others under drop_last.", self.rank == 0)
         return 0
 
     def resume_torchdata(self, states: List[Any], batch: int) -> None:
@@ -147,39 +146,39 @@ class Streams:
             return None
         shards = int(self.loader.dataset._ex_iterable.num_shards)  # type: ignore[attr-defined]
         workers = max(1, self.num_workers)
-        return {w: shard_dealing.plain_plan(shards, self.rank, self.world_size, w, workers) for w in range(workers)}
+        return {w: hf_shards.plain_plan(shards, self.rank, self.world_size, w, workers) for w in range(workers)}
 
     def _source(self, plans: Optional[Dict[int, Dict[str, Any]]]) -> Any:
         if self.kind == "shards":
-            return shard_dealing.ShardDealer(self.loader.dataset, self.rank, self.world_size, plans)
-        return stateful_loading.DatasetSource(self.loader.dataset)
+            return hf_shards.ShardDealer(self.loader.dataset, self.rank, self.world_size, plans)
+        return worker_snapshots.DatasetSource(self.loader.dataset)
 
     def batches(self) -> Iterator[Any]:
         """The running epoch's batches (a tagged stream: see the module docstring), untagged."""
         pending, self._pending = self._pending, None
         if pending is None:
             if self._tagged is None:
-                self._tagged = stateful_loading.snapshot_loader(self.loader, self._source(None))
+                self._tagged = worker_snapshots.snapshot_loader(self.loader, self._source(None))
             loader, self._plans, start = self._tagged, self._plain_plans(), None
         elif pending["how"] == "states":
             plans = {int(w): p for w, p in pending["plans"].items()} if pending["plans"] is not None else None
-            tagged = stateful_loading.snapshot_loader(self.loader, self._source(plans))
+            tagged = worker_snapshots.snapshot_loader(self.loader, self._source(plans))
             start = pending["tags"]
-            loader = stateful_loading.resumed_copy(tagged, stateful_loading.worker_states({"workers": start}),
+            loader = worker_snapshots.resumed_copy(tagged, worker_snapshots.worker_states({"workers": start}),
                                                    pending["first_worker"])
             self._plans = plans if plans is not None else self._plain_plans()
         else:  # deal
             self._plans = {int(w): p for w, p in pending["plans"].items()}
-            loader, start = stateful_loading.snapshot_loader(self.loader, self._source(self._plans)), None
-        self._consumed = stateful_loading.Consumed(start)
+            loader, start = worker_snapshots.snapshot_loader(self.loader, self._source(self._plans)), None
+        self._consumed = worker_snapshots.Consumed(start)
         if pending is not None and pending.get("last_worker") is not None:
             self._consumed.last_worker = int(pending["last_worker"])
         self._dealt = pending is not None and bool(pending.get("dealt"))
         # a resumed epoch's iterator does not draw from torch's generator: an uninterrupted run drew before the save
-        iterator = iter(loader) if pending is None else loader_position.quiet_iter(loader)
+        iterator = iter(loader) if pending is None else epoch_position.quiet_iter(loader)
         if self._dealt:
             whole = {0: {"entries": pending.get("rest") or [], "step": 1, "offset": 0}}  # type: ignore[union-attr]
-            fallback = stateful_loading.snapshot_loader(self.loader, self._source(whole))
+            fallback = worker_snapshots.snapshot_loader(self.loader, self._source(whole))
             yield from self._lockstep(loader, iterator, fallback)
             return
         for data, tag in iterator:
@@ -205,11 +204,11 @@ class Streams:
                 break
             if item is _END:
                 if padding is None or (item := next(padding, _END)) is _END:
-                    padding = loader_position.quiet_iter(loader)  # the start of this rank's share again
+                    padding = epoch_position.quiet_iter(loader)  # the start of this rank's share again
                     item = next(padding, _END)
                     if item is _END:  # this rank's share is empty: the start of the whole rest
                         loader = fallback
-                        padding = loader_position.quiet_iter(loader)
+                        padding = epoch_position.quiet_iter(loader)
                         item = next(padding)  # another rank has a batch, so the rest has one
                 pads += 1
                 yield item[0]

@@ -1,5 +1,5 @@
-"""The position of a Hugging Face stream dealt by shards (fabriclite.training.shard_dealing) and the decision of what a
-stream position can become at another size (fabriclite.checkpoint.stream_position.plan), in one process.
+"""The position of a Hugging Face stream dealt by shards (fabriclite.data.hf_shards) and the decision of what a stream
+position can become at another size (fabriclite.data.stream_kinds.plan), in one process.
 
 The property: a real ``datasets.IterableDataset`` of shards of random lengths is read by W ranks x nw workers as a
 plain epoch deals it (by shards when they divide by W, else by examples); each worker stops after a random number of
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 datasets = pytest.importorskip("datasets")
 
-from fabriclite.checkpoint.stream_position import StreamPositionError, plan  # noqa: E402
-from fabriclite.training.shard_dealing import ShardStream, deal, plain_plan, rest  # noqa: E402
+from fabriclite.data.stream_kinds import StreamPositionError, plan  # noqa: E402
+from fabriclite.data.hf_shards import ShardStream, deal, plain_plan, rest  # noqa: E402
 
 
 def _rows(shards: List[List[int]]) -> Any:
@@ -121,7 +121,7 @@ def test_the_dealer_leaves_the_users_split_alone() -> None:
     shares its attributes with the original)."""
     from datasets.distributed import split_dataset_by_node
 
-    from fabriclite.training.shard_dealing import ShardDealer
+    from fabriclite.data.hf_shards import ShardDealer
 
     split = split_dataset_by_node(stream_of([2, 2, 2, 2]), rank=1, world_size=2)
     dealer = ShardDealer(split, rank=1, world_size=2)

@@ -1,8 +1,9 @@
-"""Elastic resume of a loader's position, in one process: the dealing of an epoch's rest (``fabriclite.checkpoint.
-elastic``) checked against torch's own DistributedSampler, and FabricDataLoaders whose DistributedSamplers stand for
-W ranks (``num_replicas=W, rank=r``, one loader per rank) saved at W and loaded at W' != W: every sample of the epoch
-once apart from the named padding, every rank the same number of batches, later epochs as a run at W' draws them.
-The bad inputs (another batch size or dataset length, a state that cannot move) are clear errors."""
+"""Elastic resume of a loader's position, in one process: the dealing of an epoch's rest
+(``fabriclite.data.elastic_dealing``) checked against torch's own DistributedSampler, and FabricDataLoaders whose
+DistributedSamplers stand for W ranks (``num_replicas=W, rank=r``, one loader per rank) saved at W and loaded at
+W' != W: every sample of the epoch once apart from the named padding, every rank the same number of batches, later
+epochs as a run at W' draws them. The bad inputs (another batch size or dataset length, a state that cannot move)
+are clear errors."""
 from __future__ import annotations
 
 import collections
@@ -16,7 +17,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from fabriclite import Fabric
-from fabriclite.checkpoint import elastic
+from fabriclite.checkpoint import resume_state
+from fabriclite.data import elastic_dealing
 
 FABRIC = Fabric(accelerator="cpu", devices=1)
 
@@ -37,11 +39,12 @@ def sampler_ranks(length: int, world: int, epoch: int, seed: int, shuffle: bool,
 @given(length=st.integers(1, 120), world=st.integers(1, 9), epoch=st.integers(0, 5), seed=st.integers(0, 2 ** 31),
        shuffle=st.booleans(), drop_last=st.booleans())
 def test_dealing_from_the_start_is_distributed_samplers_epoch(length, world, epoch, seed, shuffle, drop_last):
-    dealt = elastic.deal_rest(length, 0, world, epoch, seed, shuffle, drop_last)
+    dealt = elastic_dealing.deal_rest(length, 0, world, epoch, seed, shuffle, drop_last)
     assert dealt.shares == sampler_ranks(length, world, epoch, seed, shuffle, drop_last)
-    ranks = [list(elastic.RestSampler(length, 0, world, r, epoch, seed, shuffle, drop_last)) for r in range(world)]
+    ranks = [list(elastic_dealing.RestSampler(length, 0, world, r, epoch, seed, shuffle, drop_last))
+             for r in range(world)]
     assert ranks == dealt.shares
-    assert all(len(elastic.RestSampler(length, 0, world, r, epoch, seed, shuffle, drop_last)) == len(share)
+    assert all(len(elastic_dealing.RestSampler(length, 0, world, r, epoch, seed, shuffle, drop_last)) == len(share)
                for r, share in enumerate(ranks))
 
 
@@ -58,8 +61,8 @@ def test_the_rest_of_an_epoch_dealt_at_another_world_size_consumes_each_sample_o
     consumed = [i for share in sampler_ranks(length, world, epoch, 5, shuffle, drop_last) for i in share[:k * batch]]
     start = k * batch * world
     # the samples k steps consumed at W are the order's first k x B x W, no padding among them
-    assert sorted(consumed) == sorted(elastic.epoch_order(length, epoch, 5, shuffle)[:start])
-    dealt = elastic.deal_rest(length, start, new_world, epoch, 5, shuffle, drop_last)
+    assert sorted(consumed) == sorted(elastic_dealing.epoch_order(length, epoch, 5, shuffle)[:start])
+    dealt = elastic_dealing.deal_rest(length, start, new_world, epoch, 5, shuffle, drop_last)
     assert len({len(share) for share in dealt.shares}) == 1  # every rank the same number of samples
     counts = collections.Counter(consumed + [i for share in dealt.shares for i in share])
     assert len(dealt.repeats) <= new_world - 1 and not (dealt.repeats and dealt.left_out)
@@ -76,19 +79,19 @@ def test_new_rank_seeds_are_deterministic_and_differ_by_rank():
     import torch
 
     state = torch.Generator().manual_seed(3).get_state()
-    seeds = [elastic.new_rank_seed(state, rank) for rank in range(2, 6)]
-    assert seeds == [elastic.new_rank_seed(state.clone(), rank) for rank in range(2, 6)]
+    seeds = [resume_state.new_rank_seed(state, rank) for rank in range(2, 6)]
+    assert seeds == [resume_state.new_rank_seed(state.clone(), rank) for rank in range(2, 6)]
     assert len(set(seeds)) == 4 and all(0 <= s < 2 ** 63 for s in seeds)
-    assert elastic.new_rank_seed(torch.Generator().manual_seed(4).get_state(), 2) != seeds[0]
+    assert resume_state.new_rank_seed(torch.Generator().manual_seed(4).get_state(), 2) != seeds[0]
 
 
 def test_bad_dealing_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="start must be within the dataset's 10 samples; got 11"):
-        elastic.deal_rest(10, 11, 2, 0, 0, True)
+        elastic_dealing.deal_rest(10, 11, 2, 0, 0, True)
     with pytest.raises(ValueError, match="world_size must be >= 1; got 0"):
-        elastic.deal(range(4), 0)
+        elastic_dealing.deal(range(4), 0)
     with pytest.raises(ValueError, match="rank 2 is not one of 2 ranks"):
-        elastic.RestSampler(10, 0, 2, 2, 0, 0, True)
+        elastic_dealing.RestSampler(10, 0, 2, 2, 0, 0, True)
 
 
 # ---------------------------------------------------------------------- FabricDataLoaders standing for W ranks
@@ -128,7 +131,7 @@ def finish_epoch(ranks: list, log: Dict[int, collections.Counter], iterators=Non
 def load_all(ranks: list, state: dict) -> List[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with elastic.one_warning(True):
+        with elastic_dealing.one_warning(True):
             for loader in ranks:
                 loader.load_state_dict(state)
     return [str(w.message) for w in caught if "Elastic resume" in str(w.message)]

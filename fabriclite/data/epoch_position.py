@@ -9,12 +9,12 @@ The state also records the sizes the position holds for: the world size (the num
 into), the batch size per rank and the dataset's length; and, for a loader dealt by a plain ``DistributedSampler``
 (what ``setup_dataloaders`` gives by default), the sampler's seed and shuffle and ``samples``: how many samples of
 the epoch's order the whole job has consumed (``start + batch x batch_size x world_size``, ``start`` being where the
-running dealing began: 0, except in an epoch resumed at another world size). See ``fabriclite.checkpoint.elastic``.
+running dealing began: 0, except in an epoch resumed at another world size). See ``fabriclite.data.elastic_dealing``.
 
 Loading a position inside an epoch:
 - at the same world size: the same batches are skipped (bit-exact resume);
 - at another world size: the rest of the epoch's order after ``samples`` is dealt over this run's ranks
-  (``elastic.RestSampler``), with one warning (global batch size, padding); later epochs are plain ones;
+  (``elastic_dealing.RestSampler``), with one warning (global batch size, padding); later epochs are plain ones;
 - with another batch size per rank or dataset length: a ValueError naming both values;
 - at another world size from a state without ``samples`` (an older fabriclite, or a sampler other than the plain
   ``DistributedSampler``): a ValueError, as before.
@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterator, Mapping, Optional
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
-from fabriclite.checkpoint import elastic
+from fabriclite.data import elastic_dealing
 
 
 class SkipFirst:
@@ -215,13 +215,14 @@ def read_position(state: Mapping[str, Any], shape: Optional[Mapping[str, Any]] =
 
 def rest_loader(loader: DataLoader, epoch: int, dealing: Mapping[str, Any]) -> DataLoader:
     """A copy of ``loader`` (dealt by a plain DistributedSampler, :func:`dealer`) that iterates this rank's share of
-    epoch ``epoch``'s rest after ``dealing["start"]`` samples (``elastic.RestSampler``), batched as ``loader``
+    epoch ``epoch``'s rest after ``dealing["start"]`` samples (``elastic_dealing.RestSampler``), batched as ``loader``
     batches."""
     sampler = dealer(loader)
     if sampler is None:
         raise ValueError("only a loader dealt by a plain DistributedSampler can continue an epoch's rest.")
-    rest = elastic.RestSampler(len(sampler.dataset), int(dealing["start"]), sampler.num_replicas,  # type: ignore
-                               sampler.rank, epoch, int(dealing["seed"]), bool(dealing["shuffle"]), sampler.drop_last)
+    rest = elastic_dealing.RestSampler(len(sampler.dataset), int(dealing["start"]),  # type: ignore[arg-type]
+                                       sampler.num_replicas, sampler.rank, epoch, int(dealing["seed"]),
+                                       bool(dealing["shuffle"]), sampler.drop_last)
     resumed = copy.copy(loader)
     resumed._iterator = None  # type: ignore[attr-defined] # never share persistent workers with the original
     object.__setattr__(resumed, "sampler", rest)
@@ -238,7 +239,7 @@ def elastic_note(loader: DataLoader, epoch: int, dealing: Mapping[str, Any], fro
     sampler = dealer(loader)
     assert sampler is not None
     length, start, world = len(sampler.dataset), int(dealing["start"]), sampler.num_replicas  # type: ignore
-    dealt = elastic.deal_rest(length, start, world, epoch, int(dealing["seed"]), bool(dealing["shuffle"]),
+    dealt = elastic_dealing.deal_rest(length, start, world, epoch, int(dealing["seed"]), bool(dealing["shuffle"]),
                               sampler.drop_last)
     batch_sampler = loader.batch_sampler
     size = batch_sampler.batch_size if batch_sampler is not None else 1

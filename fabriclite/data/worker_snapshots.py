@@ -5,7 +5,7 @@ dataset: the copy in the main process never advances. So the state of a stream i
 travels with the batch it belongs to:
 
 - :class:`SnapshotStream` wraps a *source* (:class:`DatasetSource`: a dataset with ``state_dict`` /
-  ``load_state_dict``; or ``shard_dealing.ShardDealer``). In each worker (or in the main process with
+  ``load_state_dict``; or ``hf_shards.ShardDealer``). In each worker (or in the main process with
   ``num_workers=0``) it tags the last item of every batch with the source's snapshot taken right after that item:
   ``{"worker": w, "state": ..., "batches": n, "end": bool}``; :class:`TaggedCollate` collates the items and keeps
   the tag, so each batch arrives as ``(batch, tag)``.

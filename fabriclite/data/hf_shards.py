@@ -2,7 +2,7 @@
 can be dealt again over another number of ranks or workers, every shard resumed at its recorded offset.
 
 A dataset split with ``split_dataset_by_node(ds, rank, world_size)`` (fabriclite reads the split from the private
-``ds._distributed``: ``stream_position.DATASETS_VERSIONS`` lists the supported versions) is iterated by fabriclite,
+``ds._distributed``: ``stream_kinds.DATASETS_VERSIONS`` lists the supported versions) is iterated by fabriclite,
 one shard at a time (``ds.shard(num_shards=n, index=s)`` of the unsplit dataset), the way ``datasets`` deals it:
 
 - a plain epoch: when the ``n`` shards divide by the world size ``W``, rank ``r`` gets shards ``r, r + W, ...``, else
@@ -14,7 +14,7 @@ one shard at a time (``ds.shard(num_shards=n, index=s)`` of the unsplit dataset)
   over this run's ranks and workers (shard ``k`` of the rest to rank ``k % W'``, worker ``(k // W') % nw'``); each
   shard resumes through its own ``state_dict`` (``datasets`` re-reads the current shard up to its offset).
 
-A worker's snapshot (``ShardStream.snapshot``, taken after each batch by ``stateful_loading.SnapshotStream``) holds its
+A worker's snapshot (``ShardStream.snapshot``, taken after each batch by ``worker_snapshots.SnapshotStream``) holds its
 shards left (the current one with its Hugging Face state) and its place in its stream. :func:`rest` merges every
 rank's and worker's snapshots into the shards left of the epoch: ranks that share a stream (the split by examples)
 must each have consumed the same number of examples from it, give or take the first ranks one more (they do when
@@ -26,7 +26,7 @@ import copy
 import json
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
-from fabriclite.checkpoint.stream_position import StreamPositionError
+from fabriclite.data.stream_kinds import StreamPositionError
 
 #: a shard of a stream: [shard index, examples of it passed, its Hugging Face state (None: from its start)]
 Entry = List[Any]
@@ -53,7 +53,7 @@ def deal(rest: List[Entry], world_size: int, workers: int) -> List[Dict[int, Dic
 
 
 class ShardDealer:
-    """The source of a ``stateful_loading.SnapshotStream`` over the Hugging Face ``dataset`` (split by node) for
+    """The source of a ``worker_snapshots.SnapshotStream`` over the Hugging Face ``dataset`` (split by node) for
     ``rank``: each worker's stream of shards, from ``plan`` (worker -> stream; None: the plain epoch's dealing)."""
 
     def __init__(self, dataset: Any, rank: int, world_size: int,
