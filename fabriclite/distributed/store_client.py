@@ -48,8 +48,9 @@ class Request:
         self.done = threading.Event()
         self.result: Any = None
         self.error: Optional[BaseException] = None
-        #: wall time when the thread started it (None while queued)
+        #: wall times when the thread started and finished it (None until then)
         self.started: Optional[float] = None
+        self.finished: Optional[float] = None
         self.submitted = time.time()
 
     def outcome(self) -> Any:
@@ -80,6 +81,7 @@ class _Connection:
                 request.result = request.fn(*request.args)
             except BaseException as err:  # handed to the caller
                 request.error = err
+            request.finished = time.time()
             self.current = None
             request.done.set()
 

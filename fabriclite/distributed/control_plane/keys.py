@@ -32,6 +32,9 @@ key (under ``fabriclite/``)            written by / read by                 goes
 ``host/<node>``                        node N's supervisor at the round's   with the round's part
                                        start / node 0's, when it names a
                                        node that stopped answering
+``slow/<node>``                        node N's supervisor, once, when its  with the round's part
+                                       heartbeats take seconds (then +SLOW
+                                       on its pulse) / node 0's, once
 ``ended``                              each supervisor as it leaves, +1 /   with the round's part
                                        node 0's
 ``arrived/count``                      each rank at launch, +1; +FAILED     with the round's part
@@ -82,6 +85,15 @@ PULSE = "pulse"
 ENDED = "ended"
 #: added to every counter of ``flagged`` when a failure is published: a counter at or above it says "failed"
 FAILED = 1 << 40
+
+
+#: added once to a node's pulse counter by a node that finds its own link slow (its report under ``slow_link``)
+SLOW = 1 << 30
+
+
+def slow_link(node: int) -> str:
+    """Node ``node``'s report of its slow link (JSON), written once per round before it flags its pulse with SLOW."""
+    return f"slow/{node}"
 
 
 def pulse(node: int) -> str:

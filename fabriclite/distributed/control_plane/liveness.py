@@ -61,6 +61,13 @@ def pulse(store: Any, node: int) -> Optional[Dict[str, Any]]:
     return failure_flag.flagged_failure(store) if failure_flag.flagged(count) else None
 
 
+def report_slow(store: Any, node: int, report: str) -> None:
+    """Node ``node`` found its own link slow: its ``report`` (JSON) for node 0, then the SLOW mark on its pulse, where
+    node 0's watch sees it without a request of its own (two requests, once per round)."""
+    store.set(keys.slow_link(node), report)
+    store.add(keys.pulse(node), keys.SLOW)
+
+
 def announce(store: Any, node: int, host: str) -> None:
     """Say where node ``node`` runs (``host``: its name and address), for node 0 to name it if it goes quiet."""
     store.set(keys.node_host(node), host)
@@ -77,6 +84,9 @@ class Heartbeats:
         #: node -> (monotonic, wall) time its count last moved
         self._moved: Dict[int, Tuple[float, float]] = {}
         self._started: Optional[Tuple[float, float]] = None
+        #: nodes whose pulse carries the SLOW mark since the last poll (their report is under keys.slow_link)
+        self.newly_slow: List[int] = []
+        self._slow: set = set()
 
     def poll(self, store: Any) -> Optional[Dict[str, Any]]:
         now = (time.monotonic(), time.time())
@@ -93,6 +103,9 @@ class Heartbeats:
             for node, value in zip(present, store.multi_get([keys.pulse(node) for node in present])):
                 if self._counts.get(node) != value:
                     self._counts[node], self._moved[node] = value, now
+                if node not in self._slow and int(value) % keys.FAILED >= keys.SLOW:
+                    self._slow.add(node)
+                    self.newly_slow.append(node)
         silent = [node for node, (moved, _) in self._moved.items() if now[0] - moved > self.timeout_s]
         return self._lost(store, silent) if silent else None
 

@@ -1,20 +1,19 @@
 """The supervisor: starts one node's ranks, watches them, and turns the first failure anywhere in the job into one
 clear ending.
 
-- It hosts (node 0) or joins (other nodes) the job's rendezvous store, so the store outlives every rank.
-- A rank that exits non-zero or dies by a signal stops the others (SIGTERM, then SIGKILL after a grace period), is
-  named in one summary with the first failing rank's traceback (from its error file), and the exit code is non-zero.
-  A rank that raised counts as failed without waiting for its slow exit; the root cause is the earliest failure
-  that is not a mere "lost peer" error (supervision/processes/failures.py).
-- Across nodes, a failure is published in the store; every other node's supervisor sees it and stops its ranks,
-  naming the failed node and rank. Node 0 keeps the store up until the other nodes have ended.
-- The ranks die with the supervisor (PR_SET_PDEATHSIG); a reaper kills what they started if the supervisor is
-  killed (supervision/processes/reaper.py).
+- It hosts (node 0) or joins the job's store, so the store outlives every rank; every request it makes there has a
+  deadline and yields to a signal (distributed/store_client.py).
+- A rank that exits non-zero or dies by a signal stops the others (SIGTERM, then SIGKILL after a grace period) and is
+  named in one summary with the root cause's traceback: the earliest failure that is not a mere "lost peer" error
+  (supervision/processes/failures.py). A rank that raised counts as failed without waiting for its slow exit.
+- Across nodes, a failure is published in the store and every other node stops its ranks, naming it; heartbeats
+  (agent/heartbeat.py) name a node that stopped answering, end a node that lost the store, and report slow links.
+  Node 0 keeps the store up until the other nodes have ended.
+- The ranks die with the supervisor (PR_SET_PDEATHSIG); a reaper kills what they started if it is killed.
 - SIGINT stops every rank (exit 130); the first SIGTERM / SIGUSR1 is a preemption notice with a grace period
   (agent/preemption.py), a second one stops every rank (128 + signal); handlers in agent/supervisor_signals.py.
 - Restarts (agent/restarts.py): a failed round is followed by a new one, up to ``restarts.max_restarts``; a round's
-  ranks are started, polled and stopped by agent/round_ranks.py (which runs the launcher's ``when_up`` once they
-  have done their first step: warm spares start then).
+  ranks are started, polled and stopped by agent/round_ranks.py (``when_up`` runs once they stepped: warm spares).
 - Live recovery (``live``, supervision/lighthouse.py): the node is a job of its own (its own store, restarts and exit
   code); node 0's supervisor also runs the lighthouse, the one thing the nodes share.
 """
@@ -23,7 +22,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from datetime import timedelta
@@ -31,8 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 from fabriclite.distributed import rendezvous
 from fabriclite.distributed.control_plane import failure_flag, liveness, meeting
-from fabriclite.distributed.network import local_address_towards
-from fabriclite.distributed.store_client import Request, StoreClient, clock
+from fabriclite.distributed.store_client import StoreClient
 from fabriclite.environments.fabriclite_env import child_env
 from fabriclite.supervision.rank.child import ERROR_FILE_ENV, SUPERVISOR_PID_ENV, stop_marker
 from fabriclite.supervision.processes.failures import Failure, remote_is_root, root_cause, signal_name, summarize
@@ -49,7 +46,8 @@ from fabriclite.supervision.agent.preemption import EXIT_PREEMPTED, PreemptOptio
 from fabriclite.supervision.processes.reaper import Reaper
 from fabriclite.supervision.agent.restarts import MAX_RESTARTS_ENV, RestartPolicy, run_rounds
 from fabriclite.supervision.agent.round_ranks import POLL_S, RoundRanks
-from fabriclite.supervision.agent import supervisor_signals
+from fabriclite.supervision.agent import heartbeat, supervisor_signals
+from fabriclite.supervision.agent.heartbeat import NodeHeartbeat
 from fabriclite.supervision.processes.stopping import print_summary
 
 DEFAULT_MULTI_NODE_PORT = 29500
@@ -96,15 +94,12 @@ class Supervisor:
         self.summary = ""
         self._signal: Optional[int] = None
         self._tmpdir = ""
+        #: the round's view of the job's store, the store itself (both StoreClients), the TCPStore under them
         self._store: Any = None
         self._raw_store: Any = None
         self._tcp_store: Any = None
         #: the heartbeat timeout (control_plane/liveness.py): a node lost for this long ends the job
         self.loss_s = liveness.loss_timeout(timeout.total_seconds())
-        #: the pulse in flight on the store's thread, when the next one is due, node 0's watch over the others
-        self._beat: Optional[Request] = None
-        self._next_beat = 0.0
-        self._heartbeats: Optional[liveness.Heartbeats] = None
         #: a node was lost (this one lost the store, or node 0 lost another): no restart can bring it back
         self._lost = False
         self._opening = False
@@ -118,6 +113,9 @@ class Supervisor:
         self._lighthouse: Optional[Lighthouse] = None
         #: the ranks' progress records, read for the watchers (supervision/watch/progress_records.py)
         self.progress = ProgressRecords(layout.global_rank)
+        #: this node's pulses, node 0's watch over the others' (agent/heartbeat.py)
+        self.heartbeat = NodeHeartbeat(layout.num_nodes, layout.node_rank, layout.local_world_size, main_address,
+                                       self.loss_s, self.progress.fewest_steps)
         #: the optimizer-step hang watch and live stacks (supervision/watch/hangs.py)
         self.hangs = HangWatch(layout.node_rank, self.progress, timeout.total_seconds())
         self.hangs.live = live is not None
@@ -267,7 +265,8 @@ class Supervisor:
         assert self._reaper is not None
         self.round, self.summary = number, ""
         self._store = self._raw_store.view(meeting.job_view(self._tcp_store, number))
-        self._start_heartbeat()
+        if self.layout.num_nodes > 1:
+            self.heartbeat.start_round(self._store)
         if os.path.exists(self._stop_marker):
             os.unlink(self._stop_marker)
         self.record.round_start(number, self.restarts.backoff(number - 1) if number else None)
@@ -323,73 +322,23 @@ class Supervisor:
             time.sleep(POLL_S)
         return 0
 
-    # ------------------------------------------------------------------ heartbeats (control_plane/liveness.py)
-    def _start_heartbeat(self) -> None:
-        """A round's heartbeat: say where this node runs; node 0 watches every other node's pulse."""
-        self._beat, self._next_beat, self._heartbeats = None, 0.0, None
-        if self.layout.num_nodes == 1:
-            return
-        node = self.layout.node_rank
-        if node == 0:
-            self._heartbeats = liveness.Heartbeats(self.layout.num_nodes, self.layout.local_world_size, self.loss_s)
-        host = socket.gethostname()
-        address = local_address_towards(self.main_address)
-        try:
-            liveness.announce(self._store, node, f"{host}, {address}" if address and address != host else host)
-        except RuntimeError:
-            pass  # the store is already unreachable: the heartbeat says so
-
     def _heartbeat(self) -> Optional[int]:
-        """Every PULSE_S this node's pulse, and node 0's watch over the others, on the store's thread (the loop never
-        waits for an answer): the round's exit code once the job failed elsewhere, node 0 found a node that stopped
-        answering, or this node's pulse got no answer for the heartbeat timeout; else None."""
-        beat = self._beat
-        if beat is not None and not beat.done.is_set():
-            sent = beat.started or beat.submitted
-            return self._store_lost(sent) if time.time() - sent > self.loss_s else None
-        if beat is not None:
-            self._beat = None
-            try:
-                remote = beat.outcome()
-            except RuntimeError as err:  # the store answered with an error: its host is gone
-                remote = {"node": None, "rank": None, "timestamp": time.time(), "secondary": False,
-                          "message": f"the job's rendezvous store is gone (its supervisor ended?): {err}"}
-            if remote is not None:
-                return self._failed_elsewhere(remote)
-        if time.monotonic() >= self._next_beat:
-            self._next_beat = time.monotonic() + liveness.PULSE_S
-            self._beat = self._store.submit(self._pulse)
-        return None
-
-    def _pulse(self, store: Any) -> Optional[Dict[str, Any]]:
-        """On the store's thread: one pulse (the failure flag in its answer); node 0 also reads every node's pulse and
-        publishes the nodes that stopped answering as the job's failure."""
-        remote = liveness.pulse(store, self.layout.node_rank)
-        if remote is None and self._heartbeats is not None:
-            remote = self._heartbeats.poll(store)
-            if remote is not None:
-                failure_flag.publish_failure(store, remote, self.layout.num_nodes)
-        return remote
-
-    def _failed_elsewhere(self, remote: Dict[str, Any]) -> int:
-        """The job failed on another node (or node 0 found one that stopped answering): stop this node's ranks."""
-        self._lost = self._lost or bool(remote.get("lost"))
-        self.summary = (f"fabriclite: {failure_flag.failure_line(remote)}\n"
-                        f"  stopping the ranks of node {self.layout.node_rank}.")
-        if remote.get("hang"):  # every node reports its own ranks' stacks
-            self.summary += "\n" + self._stacks(f"node {remote.get('node')} reported a hang")
-        self.record.failure(remote.get("rank"), str(remote.get("message", "")), 1, bool(remote.get("hang")))
-        return 1
-
-    def _store_lost(self, since: float) -> int:
-        """This node's pulse got no answer for the heartbeat timeout: it cannot reach the job (a partition, or node
-        0's host is down). End this node's ranks, naming the store and since when."""
-        self._lost = True
-        node = self.layout.node_rank
-        why = (f"the job's store on node 0 ({self.main_address}:{self.main_port}) is unreachable since {clock(since)} "
-               f"(no answer for {time.time() - since:.0f} s, --heartbeat-timeout {self.loss_s:g})")
-        self.summary = f"fabriclite: node {node} lost the job's store: {why}.\n  stopping the ranks of node {node}."
-        self.record.failure(None, f"node {node} lost the job's store: {why}", 1, False)
+        """The heartbeat's word (agent/heartbeat.py): 1 when the round ends here (its summary set), else None; a slow
+        link is printed and recorded, the job goes on."""
+        outcome = self.heartbeat.tick()
+        if isinstance(outcome, heartbeat.Notice):
+            if self.report:
+                print_summary(outcome.line)
+            self.record.emit("slow_link", **outcome.record)
+        if not isinstance(outcome, heartbeat.Ending):
+            return None
+        self._lost = self._lost or outcome.lost
+        self.summary = outcome.summary
+        if outcome.hang:  # every node reports its own ranks' stacks
+            self.summary += "\n" + self._stacks(outcome.hang)
+        self.record.failure(outcome.rank, outcome.cause, 1, bool(outcome.hang))
+        if outcome.publish:
+            self._publish(outcome.publish)
         return 1
 
     def _observe(self, view: RoundView) -> Optional[str]:
@@ -439,27 +388,27 @@ class Supervisor:
         self.summary = f"fabriclite: the job is hung: {reason}.\n" + stacks
         self.record.failure(None, reason, 1, True)
         self.record.hang(reason, stacks)
-        self._publish(f"found it hung: {reason}", hang=True)
+        self._publish(f"the supervisor of node {self.layout.node_rank} found it hung: {reason}", hang=True)
         return 1
 
     def _interrupted(self, signum: int) -> int:
         name = signal_name(signum)
         self.summary = f"fabriclite: stopped every rank on node {self.layout.node_rank} on {name}."
-        self._publish(f"received {name}")
+        self._publish(f"the supervisor of node {self.layout.node_rank} received {name}")
         return 128 + signum
 
     def _preempted(self) -> int:
         """The grace period after a preemption signal is over: publish it (the other nodes stop too)."""
         self.summary = self.preemption.expired_summary(self.layout.node_rank)
-        self._publish("was preempted and stopped its ranks")
+        self._publish(f"the supervisor of node {self.layout.node_rank} was preempted and stopped its ranks")
         return EXIT_PREEMPTED
 
-    def _publish(self, what: str, **fields: Any) -> None:
-        """Publish "the supervisor of node N <what>" as the job's failure (``rank`` None) for the other nodes."""
+    def _publish(self, message: str, **fields: Any) -> None:
+        """Publish ``message`` about this node as the job's failure (``rank`` None) for the other nodes."""
         if self._store is not None:
             failure_flag.publish_failure(self._store, {
                 "node": self.layout.node_rank, "rank": None, "timestamp": time.time(), "secondary": False,
-                "message": f"the supervisor of node {self.layout.node_rank} {what}", **fields}, self.layout.num_nodes)
+                "message": message, **fields}, self.layout.num_nodes)
 
     def _leave(self, failed: bool) -> None:
         """Across nodes, node 0 keeps the store up until the other nodes have ended (control_plane/liveness.py)."""

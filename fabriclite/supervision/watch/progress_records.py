@@ -42,6 +42,12 @@ class ProgressRecords:
         """Global rank -> its record now (None before it joined)."""
         return {self.global_rank(r): rank_progress.read(self.progress_file(r)) for r in local_ranks}
 
+    def fewest_steps(self) -> Optional[int]:
+        """The fewest optimizer steps a rank made in the round, as last read (None before every rank reported)."""
+        if not self.last or any(r is None for r in self.last.values()):
+            return None
+        return min(int(r["steps"]) for r in self.last.values() if r is not None)
+
     def view(self, workers: Dict[int, Tuple[int, bool]]) -> Optional[RoundView]:
         """The records of ``workers`` (local rank -> (pid, running)) read now, or None when they were read less than
         CHECK_EVERY_S ago (or there are none)."""
