@@ -5,7 +5,7 @@ warm-up steps), medians, and the time spent in each part of the step. Variants:
 
 - ``ddp``: plain torch DDP on one gloo group of 3 (the anchor);
 - ``hand``: torchft 0.2.0 by hand (its Manager, DDP and optimizer wrappers; the floor the issue names);
-- ``fl``: fabriclite's parts (fabriclite/strategies/torchft_parts.py: ReplicaManager, ReplicaDDP,
+- ``fl``: fabriclite's parts (fabriclite/strategies/torchft/replica_parts.py: ReplicaManager, ReplicaDDP,
   ReplicaOptimizer) with every cut;
 - ``fl-commit`` / ``fl-hook`` / ``fl-buckets``: ``fl`` less one cut (torchft's ``should_commit`` round trip to the
   group's ManagerServer; torchft's comm hook, its managed work, futures and timeouts, waited inside the hook;
@@ -79,7 +79,7 @@ else:
         manager = Manager(**kw)
         ddp, opt = DistributedDataParallel(manager, model), OptimizerWrapper(manager, optimizer)
     else:
-        from fabriclite.strategies import torchft_parts as parts
+        from fabriclite.strategies.torchft import replica_parts as parts
         from torchft.ddp import DistributedDataParallel
         if variant == "fl-commit":
             parts.ReplicaManager.should_commit = Manager.should_commit

@@ -29,7 +29,8 @@ from fabriclite.supervision.processes.stopping import exit_process
 from fabriclite.supervision.agent.node_layout import NodeLayout
 from fabriclite.distributed.control_plane.liveness import LOSS_ENV, loss_timeout
 from fabriclite.distributed.rendezvous import resolve_timeout
-from fabriclite.strategies import FAULT_TOLERANT, STRATEGIES, low_communication_settings
+from fabriclite.strategies import FAULT_TOLERANT, STRATEGIES
+from fabriclite.strategies.torchft import diloco_settings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--lighthouse", default=None,
                      help="with --fault-tolerant: HOST:PORT of a running torchft lighthouse (default: node 0's "
                           "supervisor starts one at --main-address:--main-port)")
-    low_communication_settings.add_flags(run)
+    diloco_settings.add_flags(run)
     run.add_argument("script", help="the Python script to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     merge = sub.add_parser("consolidate", help="write a sharded checkpoint folder as one file torch.load reads")
@@ -163,7 +164,7 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
     if not args.fault_tolerant and (args.min_replicas is not None or args.lighthouse is not None):
         raise UsageError(f"--{'min-replicas' if args.min_replicas is not None else 'lighthouse'} needs "
                          "--fault-tolerant.")
-    args.strategy_env = low_communication_settings.cli_env(args)  # --strategy diloco|local_sgd and their settings
+    args.strategy_env = diloco_settings.cli_env(args)  # --strategy diloco|local_sgd and their settings
     if args.heartbeat_timeout is not None:  # this supervisor's (control_plane/liveness.py); ValueError names it
         os.environ[LOSS_ENV] = str(loss_timeout(resolve_timeout(args.timeout).total_seconds(), args.heartbeat_timeout))
     if args.fault_tolerant:

@@ -32,7 +32,7 @@ from fabriclite.supervision.rank.child import die_with_parent, load_prctl
 from fabriclite.supervision.processes.stopping import kill_group, reap
 
 #: what a spare imports while it waits (``fabriclite run --fault-tolerant``'s rank)
-LIVE_PRELOAD = ("torch", "fabriclite.fabric", "fabriclite.strategies.torchft_parts")
+LIVE_PRELOAD = ("torch", "fabriclite.fabric", "fabriclite.strategies.torchft.replica_parts")
 #: what a spare imports while it waits under ``--max-restarts``: torch, fabriclite with the strategies a ddp / fsdp
 #: job uses, and torch._dynamo (DDP's constructor imports it: most of a cold rank's ``setup()``)
 RESTART_PRELOAD = ("torch", "torch._dynamo", "fabriclite.fabric", "fabriclite.strategies.ddp",

@@ -1,7 +1,9 @@
 """Strategies: how processes cooperate. Pick one by name through ``STRATEGIES``.
 
 Horovod and XLA strategies live in modules that import their backend only when used; importing
-this package never imports horovod or torch_xla. FSDPStrategy and ModelParallelStrategy load on first use.
+this package never imports horovod or torch_xla. FSDPStrategy and ModelParallelStrategy load on first use. The
+torchft family (``fault_tolerant``, ``diloco``, ``local_sgd``: ``fabriclite run --fault-tolerant``) is the folder
+``strategies.torchft``, named here only by strings; importing this package never imports torchft.
 
 May import: ``checkpoint``, ``collectives``, ``launchers``, ``supervision``, ``accelerators``, ``environments``,
 ``precision``, ``distributed``. Never ``training``, ``fabric``, ``connector``. Entry points: ``create_strategy``,
@@ -25,9 +27,9 @@ STRATEGIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "ddp_notebook": ("fabriclite.strategies.ddp:DDPStrategy", {"start_method": "fork"}),
     "ddp_find_unused_parameters_true": (
         "fabriclite.strategies.ddp:DDPStrategy", {"start_method": "popen", "find_unused_parameters": True}),
-    "fault_tolerant": ("fabriclite.strategies.fault_tolerant:FaultTolerantStrategy", {}),
-    "diloco": ("fabriclite.strategies.low_communication:DiLoCoStrategy", {}),
-    "local_sgd": ("fabriclite.strategies.low_communication:LocalSGDStrategy", {}),
+    "fault_tolerant": ("fabriclite.strategies.torchft.replica_strategy:FaultTolerantStrategy", {}),
+    "diloco": ("fabriclite.strategies.torchft.diloco:DiLoCoStrategy", {}),
+    "local_sgd": ("fabriclite.strategies.torchft.diloco:LocalSGDStrategy", {}),
     "fsdp": ("fabriclite.strategies.fsdp:FSDPStrategy", {}),
     "fsdp_cpu_offload": ("fabriclite.strategies.fsdp:FSDPStrategy", {"cpu_offload": True}),
     "single_device": ("fabriclite.strategies.single_device:SingleDeviceStrategy", {}),
@@ -41,7 +43,7 @@ _LAZY = {"HorovodStrategy": "horovod", "XLAStrategy": "xla", "SingleDeviceXLAStr
          "SingleTPUStrategy": "single_xla", "FSDPStrategy": "fsdp", "DiLoCoStrategy": "diloco",
          "LocalSGDStrategy": "local_sgd"}
 #: the strategies of ``fabriclite run --fault-tolerant`` (one torchft replica group per node): the per-step one and
-#: the low-communication ones (fabriclite.strategies.low_communication)
+#: the low-communication ones (fabriclite.strategies.torchft.diloco)
 FAULT_TOLERANT = ("fault_tolerant", "diloco", "local_sgd")
 #: classes without a registered name (Lightning registers none for ModelParallelStrategy)
 _LAZY_CLASSES = {"ModelParallelStrategy": "fabriclite.strategies.model_parallel"}

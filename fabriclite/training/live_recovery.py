@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Optional, Union
 from fabriclite.checkpoint import latest
 from fabriclite.checkpoint.resume_state import set_strict
 from fabriclite.checkpoint.saving import restore_into, to_saveable
-from fabriclite.strategies.fault_tolerant import FaultTolerantStrategy
+from fabriclite.strategies.torchft.replica_strategy import FaultTolerantStrategy
 from fabriclite.training.wrapping import FabricDataLoader, FabricModule, FabricOptimizer, unwrap
 
 #: what ``load_latest`` returns when a live peer's state was applied (it names no file)

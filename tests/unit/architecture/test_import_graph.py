@@ -2,10 +2,12 @@
 
 Every ``import`` of a ``fabriclite`` module in ``fabriclite/`` (those inside functions too) is an arrow. An arrow
 between two folders must run down the floors (a floor never imports one above it nor a sibling on its own floor);
-inside ``supervision/`` and ``distributed/`` the same holds for their sub-floors. And no module imports itself
-back through the imports that run when it is imported (no cycle; an import inside a function, made when it is
-called, is an arrow for the floors but not part of a cycle). The floors are read from docs/design.md itself, so
-the page and the test cannot drift apart."""
+inside ``supervision/``, ``distributed/``, ``data/`` and ``strategies/`` the same holds for their sub-floors (a
+sub-floor spelled "the rest" holds every part its line does not name, free to import one another). No module
+imports itself back through the imports that run when it is imported (no cycle; an import inside a function, made
+when it is called, is an arrow for the floors but not part of a cycle). And the torchft package is imported only
+inside ``strategies/torchft/``. The floors are read from docs/design.md itself, so the page and the test cannot
+drift apart."""
 from __future__ import annotations
 
 import ast
@@ -18,6 +20,8 @@ from helpers import REPO
 
 PACKAGE = REPO / "fabriclite"
 DESIGN = REPO / "docs" / "design.md"
+#: the sub-floor of every part of a folder that its line does not name
+REST = "the rest"
 
 
 def _section(text: str, title: str) -> str:
@@ -36,7 +40,7 @@ def floors() -> Tuple[Dict[str, int], Dict[str, Dict[str, int]]]:
     inner: Dict[str, Dict[str, int]] = {}
     for folder, order in re.findall(r"^- `(\w+)/`: (.+)$", section, re.M):
         inner[folder] = {name: level for level, part in enumerate(order.split(">"))
-                         for name in re.findall(r"`(\w+)`", part)}
+                         for name in re.findall(r"`(\w+)`", part) + ([REST] if REST in part else [])}
     return top, inner
 
 
@@ -103,9 +107,29 @@ def upward_arrows(edges: Dict[str, Set[str]], top: Dict[str, int], inner: Dict[s
             assert a in top and b in top, f"{source} -> {target}: a folder docs/design.md's floors do not place"
             if a != b and top[a] >= top[b]:
                 wrong.append(f"{source} -> {target} (floor {top[a]} -> {top[b]})")
-            elif a == b and a in inner and a_in and b_in and a_in != b_in and inner[a][a_in] >= inner[a][b_in]:
+            elif a == b and a in inner and a_in and b_in and a_in != b_in and _runs_up(inner[a], a_in, b_in):
                 wrong.append(f"{source} -> {target} (inside {a}/: {a_in} may not import {b_in})")
     return wrong
+
+
+def _runs_up(levels: Dict[str, int], source: str, target: str) -> bool:
+    """Whether ``source`` may not import ``target``, two parts of one folder with the sub-floors ``levels``."""
+    if source not in levels and target not in levels:
+        return False  # two of "the rest"
+    rest = levels.get(REST)
+    assert rest is not None or {source, target} <= set(levels), f"{source}, {target}: a part the sub-floors miss"
+    return levels.get(source, rest) >= levels.get(target, rest)
+
+
+def third_party_imports(path: Path) -> Set[str]:
+    """The top-level names of the packages other than fabriclite that ``path`` imports (inside functions too)."""
+    found: Set[str] = set()
+    for node in _statements(ast.parse(path.read_text(), str(path)), eager=False):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module.split(".")[0])
+    return found - {"fabriclite"}
 
 
 def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
@@ -151,7 +175,10 @@ def test_the_floors_cover_every_folder():
     assert folders <= set(top), f"folders docs/design.md's floors do not place: {sorted(folders - set(top))}"
     for folder, levels in inner.items():
         parts = {unit(name)[1] for name in modules() if unit(name)[0] == folder and unit(name)[1]}
-        assert parts <= set(levels), f"parts of {folder}/ its sub-floors do not place: {sorted(parts - set(levels))}"
+        named = set(levels) - {REST}
+        assert named <= parts, f"{folder}/'s sub-floors name parts it does not have: {sorted(named - parts)}"
+        if REST not in levels:
+            assert parts <= named, f"parts of {folder}/ its sub-floors do not place: {sorted(parts - named)}"
 
 
 def test_no_arrow_runs_up_the_floors():
@@ -162,13 +189,24 @@ def test_no_module_imports_itself_back():
     assert cycles(graph(eager=True)) == []
 
 
+def test_torchft_is_imported_only_in_its_folder():
+    home = "fabriclite.strategies.torchft."
+    outside = sorted(name for name, path in modules().items()
+                     if not name.startswith(home) and "torchft" in third_party_imports(path))
+    assert outside == [], f"modules outside fabriclite/strategies/torchft/ that import torchft: {outside}"
+    assert "torchft" in third_party_imports(modules()["fabriclite.strategies.torchft.replica_parts"])
+
+
 def test_the_check_finds_arrows_that_run_up_or_sideways():
     top, inner = floors()
     edges = {"fabriclite.distributed.rendezvous": {"fabriclite.supervision.agent.supervisor"},  # up
              "fabriclite.launchers.base": {"fabriclite.collectives.sync"},  # a sibling on the same floor
              "fabriclite.supervision.rank.child": {"fabriclite.supervision.watch.hangs"},  # up inside supervision/
              "fabriclite.supervision.agent.supervisor": {"fabriclite.supervision.watch.hangs",  # down: allowed
-                                                         "fabriclite.distributed.rendezvous"}}
-    assert len(upward_arrows(edges, top, inner)) == 3
+                                                         "fabriclite.distributed.rendezvous"},
+             "fabriclite.strategies.ddp": {"fabriclite.strategies.torchft.replica_strategy"},  # up inside strategies/
+             "fabriclite.strategies.torchft.diloco": {"fabriclite.strategies.ddp"},  # down: allowed
+             "fabriclite.strategies.fsdp": {"fabriclite.strategies.ddp"}}  # two of "the rest": allowed
+    assert len(upward_arrows(edges, top, inner)) == 4
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert "fabriclite.supervision.rank.progress" in graph()["fabriclite.supervision.watch.hangs"]

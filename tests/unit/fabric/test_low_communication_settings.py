@@ -1,4 +1,4 @@
-"""DiLoCo / LocalSGD settings (fabriclite.strategies.low_communication), checked before anything starts: at
+"""DiLoCo / LocalSGD settings (fabriclite.strategies.torchft.diloco), checked before anything starts: at
 ``Fabric(...)`` (the strategy's constructor, or the name with `fabriclite run`'s settings in the environment) and
 when `fabriclite run` parses its flags; and the fragments streaming DiLoCo cuts a model into. No torchft needed
 (the strategies run in the ft lane: tests/integration/backends/lane_ft/test_lane_ft_diloco.py)."""
@@ -13,7 +13,7 @@ from torch import nn
 
 from fabriclite import Fabric, cli
 from fabriclite.strategies import DiLoCoStrategy, LocalSGDStrategy
-from fabriclite.strategies.low_communication_settings import SETTINGS_ENV, fragments_of
+from fabriclite.strategies.torchft.diloco_settings import SETTINGS_ENV, fragments_of
 
 BAD = [
     (dict(sync_every=7, fragments=2), r"sync_every=7 is not divisible by fragments=2.*sync_every=6"),

@@ -95,7 +95,7 @@ def test_live_flags_without_fault_tolerant_are_refused(capsys, flag):
 
 @given(groups=st.integers(1, 16), data=st.data())
 def test_data_is_sharded_by_replica_group(groups, data):
-    from fabriclite.strategies.fault_tolerant import FaultTolerantStrategy
+    from fabriclite.strategies.torchft.replica_strategy import FaultTolerantStrategy
 
     group = data.draw(st.integers(0, groups - 1))
     strategy = FaultTolerantStrategy()

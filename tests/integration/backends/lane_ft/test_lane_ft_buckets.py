@@ -1,7 +1,7 @@
-"""ft lane: ReplicaDDP's gradient buckets (fabriclite.strategies.torchft_parts.plain_bucket_caps) are the ones plain
-DDP ends up with after its first step (its rebuilt layout), although torchft's DDP never rebuilds its buckets
-(``find_unused_parameters=True``): checked on real DDP modules over a real one-rank gloo process group, for MLPs
-of random depths and widths (buckets of one parameter, of several, the first one over 1 MiB or not, more than
+"""ft lane: ReplicaDDP's gradient buckets (fabriclite.strategies.torchft.replica_parts.plain_bucket_caps) are the
+ones plain DDP ends up with after its first step (its rebuilt layout), although torchft's DDP never rebuilds its
+buckets (``find_unused_parameters=True``): checked on real DDP modules over a real one-rank gloo process group, for
+MLPs of random depths and widths (buckets of one parameter, of several, the first one over 1 MiB or not, more than
 one 25 MiB bucket)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from ft_harness import free_port
 
-from fabriclite.strategies.torchft_parts import plain_bucket_caps
+from fabriclite.strategies.torchft.replica_parts import plain_bucket_caps
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,5 +1,5 @@
 """torchft 0.2.0's LocalSGD and DiLoCo as the low-communication strategies use them
-(fabriclite.strategies.low_communication). Importing this module imports torchft; only that strategy imports it,
+(fabriclite.strategies.torchft.diloco). Importing this module imports torchft; only that strategy imports it,
 when the optimizer is set up.
 
 - :class:`SyncManager`: fabriclite's Manager (one rank per group, synchronous quorum) whose commit vote also
@@ -25,8 +25,8 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from torchft.local_sgd import DiLoCo, LocalSGD
 
-from fabriclite.strategies.low_communication_settings import Settings, fragments_of
-from fabriclite.strategies.torchft_parts import ReplicaManager
+from fabriclite.strategies.torchft.diloco_settings import Settings, fragments_of
+from fabriclite.strategies.torchft.replica_parts import ReplicaManager
 
 
 class SyncManager(ReplicaManager):

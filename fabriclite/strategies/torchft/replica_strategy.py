@@ -1,6 +1,6 @@
 """Live recovery on torchft: ``fabriclite run --fault-tolerant`` (or ``Fabric(strategy="fault_tolerant")`` in a
 script started that way). Each node is one torchft replica group; torchft's Manager, lighthouse, process group,
-DDP and optimizer wrappers and checkpoint transport do the work (fabriclite.strategies.torchft_parts).
+DDP and optimizer wrappers and checkpoint transport do the work (fabriclite.strategies.torchft.replica_parts).
 
 What spans what, in this mode:
 
@@ -157,11 +157,12 @@ class FaultTolerantStrategy(DDPStrategy):
 
 
 def _parts() -> Any:
-    """fabriclite.strategies.torchft_parts (imports torchft); ImportError naming the extra when it is missing."""
+    """fabriclite.strategies.torchft.replica_parts (imports torchft); ImportError naming the extra when it is
+    missing."""
     try:
-        from fabriclite.strategies import torchft_parts
+        from fabriclite.strategies.torchft import replica_parts
     except ImportError as err:
         if "torchft" not in str(err):
             raise
         raise ImportError(f"strategy='fault_tolerant' needs torchft: {FT_EXTRA}.") from err
-    return torchft_parts
+    return replica_parts

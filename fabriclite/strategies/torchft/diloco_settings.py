@@ -1,7 +1,7 @@
-"""The settings of DiLoCo / LocalSGD (fabriclite.strategies.low_communication), checked before anything starts: at
+"""The settings of DiLoCo / LocalSGD (fabriclite.strategies.torchft.diloco), checked before anything starts: at
 ``Fabric(...)`` (the strategy's constructor) or when ``fabriclite run`` parses its flags (:func:`cli_env`), before a
 Manager exists; and the model cut into fragments (:func:`fragments_of`). Imports neither torchft nor the strategy:
-``fabriclite.strategies.torchft_sync`` (torchft's classes) and the strategy both read it.
+``fabriclite.strategies.torchft.diloco_sync`` (torchft's classes) and the strategy both read it.
 """
 from __future__ import annotations
 

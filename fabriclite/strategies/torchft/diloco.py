@@ -10,8 +10,8 @@ by an outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov, the paper's). ``frag
 the model's parameters are cut into that many contiguous fragments of about equal size, synced in turn, one every
 ``sync_every / fragments`` steps, each ``fragment_sync_delay`` steps after its all-reduce started, mixed with the
 local weights by ``fragment_update_alpha``. The torchft parts are built in
-``fabriclite.strategies.torchft_sync``; every setting is checked in
-``fabriclite.strategies.low_communication_settings``, at ``Fabric(...)`` (the instance's constructor) or when
+``fabriclite.strategies.torchft.diloco_sync``; every setting is checked in
+``fabriclite.strategies.torchft.diloco_settings``, at ``Fabric(...)`` (the instance's constructor) or when
 ``fabriclite run`` parses its flags, before a Manager exists.
 
 What differs from ``strategy="fault_tolerant"``:
@@ -40,9 +40,9 @@ from typing import Any, Callable, ContextManager, Dict, Optional
 from torch import nn
 from torch.optim import Optimizer
 
-from fabriclite.strategies.fault_tolerant import HEAL_ATTEMPTS, FaultTolerantStrategy
-from fabriclite.strategies.low_communication_settings import (FLAGS, SETTINGS_ENV, OuterOptimizer, Settings,
-                                                              fragments_of, resolve)
+from fabriclite.strategies.torchft.diloco_settings import (FLAGS, SETTINGS_ENV, OuterOptimizer, Settings,
+                                                           fragments_of, resolve)
+from fabriclite.strategies.torchft.replica_strategy import HEAL_ATTEMPTS, FaultTolerantStrategy
 
 #: the checkpoint key the strategy adds (see the module docstring)
 CHECKPOINT_KEY = "low_communication"
@@ -64,10 +64,10 @@ class LowCommunicationStrategy(FaultTolerantStrategy):
     def new_manager(self) -> Any:
         """A Manager with a synchronous quorum (torchft's DiLoCo requires it; a group that comes back is healed
         inside the quorum, before the sync it then takes part in) whose commit also checks the sync's
-        all-reduces (fabriclite.strategies.torchft_sync.SyncManager)."""
-        from fabriclite.strategies import torchft_sync
+        all-reduces (fabriclite.strategies.torchft.diloco_sync.SyncManager)."""
+        from fabriclite.strategies.torchft import diloco_sync
 
-        return self._build_manager(manager_class=torchft_sync.SyncManager, use_async_quorum=False)
+        return self._build_manager(manager_class=diloco_sync.SyncManager, use_async_quorum=False)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """The module as it is: no per-step gradient all-reduce (torchft's DDP is never used here)."""
@@ -84,9 +84,9 @@ class LowCommunicationStrategy(FaultTolerantStrategy):
         if self._sync is not None:
             raise ValueError(f"strategy={self.name!r} takes one (inner) optimizer; got a second one.")
         fragments = fragments_of(self._module, self.settings.fragments) if self.scheme == "diloco" else None
-        from fabriclite.strategies import torchft_sync  # imports torchft
+        from fabriclite.strategies.torchft import diloco_sync  # imports torchft
 
-        self._sync = torchft_sync.build(self.manager, self._module, optimizer, self.settings, fragments)
+        self._sync = diloco_sync.build(self.manager, self._module, optimizer, self.settings, fragments)
         return optimizer
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:

@@ -1,5 +1,6 @@
 """torchft's parts as the fault_tolerant strategy uses them. Importing this module imports torchft (pinned to
-0.2.0 by the ``fabriclite[ft]`` extra); only ``fabriclite.strategies.fault_tolerant`` imports it, on first use.
+0.2.0 by the ``fabriclite[ft]`` extra); only the strategies of ``fabriclite.strategies.torchft`` import it, on first
+use.
 
 Fixes of torchft 0.2, each the smallest subclass or setting that works (their measured effect per step:
 benchmarks/results/fault_tolerance.md, benchmarks/ft_cuts.py):
@@ -48,7 +49,7 @@ def build_manager(options: LiveOptions, group_rank: int, group_world_size: int, 
     node's supervisor at the node's advertised address), its replica id ``group_<node rank>``, and a heal's
     state travels over the cross-group gloo process group. ``init_sync``: every group starts from group 0's
     initial state (the others heal from it at step 0). ``manager_class`` (default :class:`ReplicaManager`) and
-    ``use_async_quorum``: what the low-communication strategies change (fabriclite.strategies.torchft_sync)."""
+    ``use_async_quorum``: what the low-communication strategies change (fabriclite.strategies.torchft.diloco_sync)."""
     pg = ProcessGroupGloo(timeout=timeout)
     transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
     return (manager_class or ReplicaManager)(
