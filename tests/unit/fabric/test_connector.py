@@ -152,7 +152,7 @@ def test_import_is_light():
 
     code = ("import sys, torch; before = set(sys.modules); import fabriclite; new = set(sys.modules) - before; "
             "print(sorted(m for m in new if m.split('.')[0] in ('horovod', 'torch_xla', 'lightning', "
-            "'lightning_fabric', 'tensorboard', 'tqdm', 'rich', 'mpi4py')))")
+            "'lightning_fabric', 'tensorboard', 'tqdm', 'rich', 'mpi4py', 'torchft')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
