@@ -20,10 +20,11 @@ What differs from ``strategy="fault_tolerant"``:
   the inner step, and every ``sync_every``-th (each fragment's turn) also syncs with the other groups.
 - ``fabric.load_latest(dir, state)`` (after ``setup``, before the first step, as before) takes part in a quorum:
   at the job's start it brings every group to group 0's initial state and commits step 1 with no all-reduce
-  (torchft's own DiLoCo regression test starts the same way); a group that comes back mid-run waits for the live
-  groups' next sync, receives their state (model, inner optimizer, step, and per fragment the global weights and
-  the outer optimizer: torchft's ``StreamingDiLoCoFragment_{i}``) and takes part in that same sync with its first
-  ``optimizer.step()`` (:meth:`LowCommunicationStrategy.heal`).
+  (torchft 0.2.0's DiLoCo regression test also starts with one quorum and no all-reduce, but commits twice: its
+  loop starts at step 2); a group that comes back mid-run waits for the live groups' next sync, receives their
+  state (model, inner optimizer, step, and per fragment the global weights and the outer optimizer: torchft's
+  ``StreamingDiLoCoFragment_{i}``) and takes part in that same sync with its first ``optimizer.step()``
+  (:meth:`LowCommunicationStrategy.heal`).
 - ``fabric.save`` adds the key ``"low_communication"`` to the checkpoint (the global weights, the outer
   optimizers, the Manager's step, which says the next fragment, and the inner step inside the interval);
   ``fabric.load`` / ``load_latest`` of a dict state restore it.

@@ -1,8 +1,8 @@
 """DiLoCo written by hand on torchft 0.2.0, the reference the ft lane compares fabriclite's ``--strategy diloco``
 with: diloco_train.py's model, seeds, data and inner optimizer (no BatchNorm, one fragment, no fault), torchft's
-own Manager (synchronous quorum), ProcessGroupGloo and DiLoCo with the paper's outer SGD, started the way
-torchft's DiLoCo regression test starts (one quorum and a commit before the first step: every group takes
-group 0's initial state). The process-group checkpoint transport, as fabriclite's: torchft's HTTP transport
+own Manager (synchronous quorum), ProcessGroupGloo and DiLoCo with the paper's outer SGD, started as fabriclite
+starts (one quorum and one commit before the first step: every group takes group 0's initial state; torchft's
+DiLoCo regression test commits twice there, so its loop starts at step 2). The process-group checkpoint transport, as fabriclite's: torchft's HTTP transport
 advertises ``gethostname()``. Run one process per group:
 
     python diloco_by_hand.py OUT STEPS GROUP LIGHTHOUSE_HOST:PORT SYNC_EVERY MIN_REPLICAS
