@@ -29,6 +29,7 @@ from fabriclite.supervision.processes.stopping import exit_process
 from fabriclite.supervision.agent.node_layout import NodeLayout
 from fabriclite.distributed.control_plane.liveness import LOSS_ENV, loss_timeout
 from fabriclite.distributed.rendezvous import resolve_timeout
+from fabriclite.supervision.agent.heartbeat import SLOW_LINK_ENV, slow_link_policy
 from fabriclite.strategies import FAULT_TOLERANT, STRATEGIES
 from fabriclite.strategies.torchft import diloco_settings
 
@@ -56,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="seconds after which a node whose heartbeat stopped (or that cannot reach node 0's store) "
                           "ends the job, naming it (default $FABRICLITE_HEARTBEAT_TIMEOUT, or 15, at most half of "
                           "--timeout)")
+    run.add_argument("--slow-link", "--slow_link", default=None,
+                     help="when a node's link to node 0 turns slow (its heartbeats take seconds, its steps collapse): "
+                          "report (default: say so, naming the node and its step rates, and go on) or stop (end "
+                          "the job, naming it); or $FABRICLITE_SLOW_LINK")
     run.add_argument("--rank-prefix", action="store_true", help="prefix every output line with [rank N]")
     run.add_argument("--log-dir", default=None, help="also write each rank's output to LOG_DIR/rank_N.log, and the "
                      "events record there (default: the run's folder, $XDG_STATE_HOME/fabriclite/runs/<run id>/)")
@@ -167,6 +172,8 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
     args.strategy_env = diloco_settings.cli_env(args)  # --strategy diloco|local_sgd and their settings
     if args.heartbeat_timeout is not None:  # this supervisor's (control_plane/liveness.py); ValueError names it
         os.environ[LOSS_ENV] = str(loss_timeout(resolve_timeout(args.timeout).total_seconds(), args.heartbeat_timeout))
+    if args.slow_link is not None:
+        os.environ[SLOW_LINK_ENV] = slow_link_policy(args.slow_link)
     if args.fault_tolerant:
         return _prepare_live(args, num_nodes, node_rank)
     # validate every flag the way Fabric(...) would, before starting anything

@@ -25,10 +25,16 @@ from fabriclite.distributed.control_plane import failure_flag, keys, liveness
 from fabriclite.distributed.network import local_address_towards
 from fabriclite.distributed.store_client import Request, StoreClient, clock
 
-#: a pulse whose round trip takes this long is slow (a healthy link answers in milliseconds, a loaded 2-core
-#: machine's in tens of them); a node whose last SLOW_PULSES pulses all did has a gray link
-SLOW_RTT_S = 1.0
+#: a gray link: the median round trip of this node's last SLOW_PULSES pulses is at least SLOW_RTT_S and SLOW_RISE
+#: times the median of its pulses before them, and (when its ranks report steps) their step rate over the last
+#: RATE_WINDOW_S is at most 1 / SLOW_DROP of the best earlier one. Measured on the namespace hosts: a link shaped to
+#: 50 kbit/s answers in 0.05-0.6 s (median ~0.35 s) and the steps fall from ~35/s to under 1/s; a healthy one
+#: answers in 0-6 ms
+SLOW_RTT_S = 0.1
 SLOW_PULSES = 4
+SLOW_RISE = 20.0
+SLOW_DROP = 5.0
+RATE_WINDOW_S = 5.0
 SLOW_LINK_ENV = "FABRICLITE_SLOW_LINK"
 SLOW_LINK_POLICIES = ("report", "stop")
 
@@ -128,11 +134,10 @@ class NodeHeartbeat:
         steps = self.steps()
         if steps is not None:
             self._rates.append((time.monotonic(), steps))
-        recent = self._rtts[-SLOW_PULSES:]
-        if self._reported or len(recent) < SLOW_PULSES or min(recent) < SLOW_RTT_S:
+        if self._reported or not self._slow():
             return None
         self._reported = True
-        record = self._slow_record(recent)
+        record = self._slow_record(self._rtts[-SLOW_PULSES:])
         line = _slow_line(record)
         if self.policy == "stop":
             cause = line.removeprefix("fabriclite: ")
@@ -168,6 +173,17 @@ class NodeHeartbeat:
             self._watch.newly_slow.clear()
         return remote
 
+    def _slow(self) -> bool:
+        """Whether this node's link is gray (see SLOW_RTT_S)."""
+        recent, before = self._rtts[-SLOW_PULSES:], self._rtts[:-SLOW_PULSES]
+        if len(before) < SLOW_PULSES:
+            return False
+        median = statistics.median(recent)
+        if median < max(SLOW_RTT_S, SLOW_RISE * statistics.median(before)):
+            return False
+        best, now = _rates(self._rates)
+        return best is None or now is None or now * SLOW_DROP <= best
+
     def _slow_record(self, rtts: List[float]) -> Dict[str, Any]:
         before, now = _rates(self._rates)
         host = socket.gethostname()
@@ -181,22 +197,21 @@ def _report_slow(store: Any, node: int, record: Dict[str, Any]) -> None:
 
 
 def _rates(samples: List[Tuple[float, int]]) -> Tuple[Optional[float], Optional[float]]:
-    """(the best steps/s over any 10 s before the last 10 s, the steps/s over the last 10 s) from ``samples``."""
+    """(the best steps/s over RATE_WINDOW_S before the last RATE_WINDOW_S, the steps/s over the last RATE_WINDOW_S)
+    from ``samples`` ((monotonic, steps) at each pulse); None where the samples do not span one."""
     if len(samples) < 2:
         return None, None
     end_t, end_n = samples[-1]
-    recent = [s for s in samples if s[0] >= end_t - 10.0]
-    now = (end_n - recent[0][1]) / (end_t - recent[0][0]) if end_t > recent[0][0] else None
+    start = next(s for s in samples if s[0] >= end_t - RATE_WINDOW_S)
+    now = (end_n - start[1]) / (end_t - start[0]) if end_t - start[0] >= RATE_WINDOW_S / 2 else None
     best = None
     for i, (t0, n0) in enumerate(samples):
-        for t1, n1 in samples[i + 1:]:
-            if t1 > end_t - 10.0:
-                break
-            if t1 - t0 >= 10.0:
-                rate = (n1 - n0) / (t1 - t0)
-                best = rate if best is None or rate > best else best
-                break
-    return (None if best is None else round(best, 2)), (None if now is None else round(now, 2))
+        t1, n1 = next(((t, n) for t, n in samples[i + 1:] if t - t0 >= RATE_WINDOW_S), (None, None))
+        if t1 is None or t1 > start[0]:
+            break
+        rate = (n1 - n0) / (t1 - t0)
+        best = rate if best is None or rate > best else best
+    return (None if best is None else round(best, 2)), (None if now is None else round(now, 3))
 
 
 def _slow_line(record: Dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ from torch import nn
 
 from fabriclite import Fabric
 
-STEPS, FAULT_AT = int(os.environ.get("STEPS", "400")), int(os.environ.get("FAULT_AT", "100"))
+STEPS, FAULT_AT = int(os.environ.get("STEPS", "400")), int(os.environ.get("FAULT_AT", "200"))
 
 fabric = Fabric(accelerator="cpu")
 fabric.launch()

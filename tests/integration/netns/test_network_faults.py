@@ -7,6 +7,7 @@ sides see silence, as with a pulled cable, not an error."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -167,3 +168,46 @@ def test_a_flap_shorter_than_the_bounds_changes_nothing(links: Cluster, tmp_path
     assert "stopped answering" not in job.logs() and "lost the job's store" not in job.logs()
     want, got = torch.load(reference.weights), torch.load(job.weights)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def shape(cluster: Cluster, node: int, rate: Optional[str]) -> None:
+    """Node ``node``'s outgoing link shaped to ``rate`` (a tc token bucket), or back to full speed (None)."""
+    ns = ["ip", "netns", "exec", cluster.host(node), "tc", "qdisc"]
+    if rate is None:
+        subprocess.run([*ns, "del", "dev", "eth0", "root"], capture_output=True)
+    else:
+        subprocess.run([*ns, "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "4kb", "latency", "500ms"],
+                       check=True)
+
+
+#: from shaping the link to node 1's report on node 1 and node 0: SLOW_PULSES pulses that each take over SLOW_RTT_S
+#: (a pulse every 1.5 s plus its slow round trip: ~4 x 3 s), and node 0's next read; 2x margin
+GRAY_BOUND_S = 60.0
+
+
+def test_a_gray_link_is_reported_naming_the_node_and_its_rates_and_the_job_goes_on(links: Cluster,
+                                                                                    tmp_path: Path) -> None:
+    job = Job(links, tmp_path / "gray", steps=100000)
+    job.wait_for_fault_step()
+    shaped = time.monotonic()
+    shape(links, 1, "50kbit")
+    try:
+        line = f"fabriclite: node 1 ({links.host(1)}) has a slow link to the job's store on node 0: its heartbeats take "
+        while not all(line in job.err[k].read_text() for k in (0, 1)):
+            assert time.monotonic() - shaped < GRAY_BOUND_S, f"no slow-link report within {GRAY_BOUND_S:.0f} s\n" \
+                                                              f"{job.logs()}"
+            assert all(p.poll() is None for p in job.procs), job.logs()
+            time.sleep(0.2)
+        reported = time.monotonic() - shaped
+    finally:
+        shape(links, 1, None)
+    report = next(x for x in job.err[1].read_text().splitlines() if x.startswith(line))
+    assert "its ranks step at " in report and " steps/s, from " in report, report
+    assert all(p.poll() is None for p in job.procs), job.logs()  # the default policy reports and goes on
+    stopped = time.monotonic()
+    for proc in job.procs:
+        proc.send_signal(signal.SIGINT)
+    ends = job.finish(BOUND_S + 30)
+    assert job.codes == [130, 130, 130], (job.codes, job.logs())
+    assert max(ends) - stopped < 10.0, job.logs()
+    print(f"gray link: reported {reported:.1f} s after shaping: {report}")

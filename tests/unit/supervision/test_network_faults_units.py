@@ -232,3 +232,51 @@ def test_node_0_stops_its_ranks_naming_the_node_that_went_quiet(monkeypatch) -> 
     first = supervisor.summary.splitlines()[0]
     assert first.startswith("fabriclite: the job failed: node 1 (n1, 10.0.0.11) stopped answering at "), first
     assert first.endswith("its ranks: [1]"), first
+
+
+# ---------------------------------------------------------------------- gray links
+def test_a_gray_link_is_slow_pulses_and_collapsed_steps_together() -> None:
+    from fabriclite.supervision.agent import heartbeat
+
+    beat = heartbeat.NodeHeartbeat(3, 1, 1, "127.0.0.1", 15.0, lambda: None)
+    # as measured on the namespace hosts: ~1 ms round trips, then ~0.35 s once the link is shaped to 50 kbit/s
+    beat._rtts = [0.001, 0.002, 0.001, 0.001, 0.003, 0.001]
+    beat._rates = [(t * 1.5, int(t * 1.5 * 35)) for t in range(10)]  # 35 steps/s for 13.5 s
+    assert not beat._slow()
+    beat._rtts += [0.3, 0.45, 0.2, 0.5]
+    assert not beat._slow()  # slow round trips, but the ranks still step at full speed: a busy link, not a gray one
+    last = beat._rates[-1]
+    beat._rates += [(last[0] + 1.5 * i, last[1] + i) for i in range(1, 5)]  # under 1 step/s from here
+    best, now = heartbeat._rates(beat._rates)
+    assert best == 35.0 and now is not None and now < 1.0
+    assert beat._slow()
+    beat._rtts[-4:] = [0.05, 0.04, 0.06, 0.05]  # under SLOW_RTT_S: a loaded machine, not a gray link
+    assert not beat._slow()
+    record = {"node": 1, "host": "n1", "rtt_median_s": 0.35, "rtt_max_s": 0.6, "steps_per_s": 0.5,
+              "steps_per_s_before": 35.0}
+    assert heartbeat._slow_line(record) == (
+        "fabriclite: node 1 (n1) has a slow link to the job's store on node 0: its heartbeats take 0.35 s (median of "
+        "the last 4, up to 0.6 s; a healthy link answers in milliseconds); its ranks step at 0.5 steps/s, from 35 "
+        "steps/s.")
+
+
+def test_a_slow_link_report_reaches_node_0_through_the_mark_on_the_pulse() -> None:
+    job = meeting.job_view(HashStore())
+    watch = liveness.Heartbeats(num_nodes=3, ranks_per_node=1, timeout_s=60)
+    for node in (1, 2):
+        liveness.pulse(job, node)
+    assert watch.poll(job) is None and watch.newly_slow == []
+    liveness.report_slow(job, 2, '{"node": 2}')
+    assert watch.poll(job) is None and watch.newly_slow == [2]  # a slow node is not a lost one
+    watch.newly_slow.clear()
+    liveness.pulse(job, 2)
+    assert watch.poll(job) is None and watch.newly_slow == []  # once
+
+
+def test_the_slow_link_policy_is_checked(monkeypatch) -> None:
+    from fabriclite.supervision.agent import heartbeat
+
+    monkeypatch.delenv(heartbeat.SLOW_LINK_ENV, raising=False)
+    assert heartbeat.slow_link_policy() == "report" and heartbeat.slow_link_policy("stop") == "stop"
+    with pytest.raises(ValueError, match=r"slow-link policy 'halt' \(FABRICLITE_SLOW_LINK / --slow-link\)"):
+        heartbeat.slow_link_policy("halt")
