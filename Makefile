@@ -8,6 +8,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fabriclite-installed
 # CPU build of torch; a looser pin would download a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# setuptools' note on every editable install of this flat layout ("Editable installation. Please be careful with
+# folders in your working directory with the same name as your package"), which pip >= 25.3 shows as a warning even
+# with -q: informational only, so not shown. Every other warning of the build is.
+NO_EDITABLE_NOTE := -W "ignore:Editable installation"
 
 .PHONY: venv demo test test-core test-stress bench gpu-check clean
 
@@ -17,7 +21,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) $(NO_EDITABLE_NOTE) -m pip install -q -e ".[test]"
 	@touch $(STAMP)
 
 demo: venv
@@ -42,7 +46,7 @@ gpu-check:
 
 # every benchmark, each writing benchmarks/results/<name>.md; the plots into docs/
 bench: venv
-	$(PY) -m pip install -q -e ".[bench]" "$(TORCH_PIN)"
+	$(PY) $(NO_EDITABLE_NOTE) -m pip install -q -e ".[bench]" "$(TORCH_PIN)"
 	$(PY) benchmarks/launch.py
 	$(PY) benchmarks/collectives.py --plot docs/collectives_benchmark.png
 	$(PY) benchmarks/fsdp.py --plot docs/fsdp_benchmark.png

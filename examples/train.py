@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 
 import torch
@@ -111,8 +112,10 @@ def main() -> None:
                     loggers=CSVLogger(args.out, name="logs", version="run"))
     fabric.launch()
     checkpoint = os.path.join(args.out, "last.ckpt")
-    if fabric.is_global_zero and not args.resume and os.path.exists(checkpoint):
-        os.remove(checkpoint)  # start over
+    if fabric.is_global_zero and not args.resume:  # start over: no checkpoint, no metrics of an earlier run
+        if os.path.exists(checkpoint):
+            os.remove(checkpoint)
+        shutil.rmtree(fabric.logger.log_dir, ignore_errors=True)
     fabric.barrier()
 
     interrupt = args.interrupt_after if not args.resume and args.interrupt_after > 0 else None
