@@ -1,4 +1,5 @@
-# fabriclite: `make demo` runs the example, `make test` runs the tests. Both bootstrap .venv on first use.
+# fabriclite: `make demo` runs the example, `make test` runs the tests (core suite, backend lanes, engine lanes; it
+# ends with each part's time and the 15 slowest core tests). Both bootstrap .venv on first use.
 # `make bench` runs every benchmark (tables in benchmarks/results/, plots in docs/); `make test-stress` runs the core
 # suite 3 times under CPU load; `make gpu-check PYTHON=python3` runs the CUDA/NCCL checks with that interpreter as it
 # is (no .venv; skips with one line where there is no GPU).
@@ -31,10 +32,40 @@ demo: venv
 include mk/backends.mk
 include mk/engines.mk
 
-test-core: venv
-	$(PY) -m pytest -q tests
+# `make test`'s record: the core suite's output (core.log) and each part's summary (core / backends / engines
+# .summary), printed again as the last lines of `make test`: the parts' times and the slowest core tests.
+TEST_LOG := build/test-log
+CORE_DURATIONS := 15
+CORE_TESTS ?= tests
 
-test: test-core test-backends test-engines
+# the core suite, its CORE_DURATIONS slowest tests (pytest's --durations) and its time in $(TEST_LOG)/core.summary
+test-core: venv
+	@mkdir -p $(TEST_LOG); start=$$(date +%s); color=auto; [ -t 1 ] && color=yes; \
+	echo "$(PY) -m pytest -q --durations=$(CORE_DURATIONS) $(CORE_TESTS)"; \
+	{ $(PY) -u -m pytest -q --color=$$color --durations=$(CORE_DURATIONS) $(CORE_TESTS); echo $$? > $(TEST_LOG)/core.rc; } 2>&1 \
+	  | tee $(TEST_LOG)/core.log; \
+	rc=$$(cat $(TEST_LOG)/core.rc 2>/dev/null || echo 1); took=$$(( $$(date +%s) - start )); \
+	counts=$$(sed 's/\x1b\[[0-9;]*m//g' $(TEST_LOG)/core.log | grep -E '^[0-9]+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed)|^no tests ran' | tail -1); \
+	if [ "$$rc" = 0 ]; then result=passed; else result="FAILED (pytest exit $$rc)"; fi; \
+	{ echo "== core suite: $$result in $$took s: $${counts:-no count line (see $(TEST_LOG)/core.log)}"; \
+	  echo "== the $(CORE_DURATIONS) slowest core tests:"; \
+	  sed 's/\x1b\[[0-9;]*m//g' $(TEST_LOG)/core.log | awk '/slowest [0-9]+ durations/ {on = 1; next} on && /^[0-9.]+s (setup|call|teardown) / {print "==   " $$0; next} on {on = 0}'; \
+	} > $(TEST_LOG)/core.summary; \
+	exit $$rc
+
+# the core suite, then the backend lanes, then the engine lanes: each part runs even when an earlier one failed, and
+# `make test` fails if any failed. Its last lines: each part's result and time and the slowest core tests.
+test: venv
+	@rm -rf $(TEST_LOG); mkdir -p $(TEST_LOG); start=$$(date +%s); failed=""; \
+	for part in test-core test-backends test-engines; do \
+	  $(MAKE) --no-print-directory $$part || failed="$$failed $$part"; \
+	done; \
+	echo; echo "== make test: summary"; \
+	for part in core backends engines; do \
+	  cat $(TEST_LOG)/$$part.summary 2>/dev/null || echo "== $$part: no summary (it ended before writing one; see above)"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "== make test FAILED ($$(( $$(date +%s) - start )) s):$$failed"; exit 1; fi; \
+	echo "== make test passed ($$(( $$(date +%s) - start )) s)"
 
 # the core suite 3 times in a row, 2 busy processes loading the CPUs, no retries (STRESS_TESTS: a subset)
 STRESS_TESTS ?= tests

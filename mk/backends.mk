@@ -8,7 +8,8 @@
 #                                             otherwise: run the lanes whose environment is cached, and for each
 #                                             other lane print one line saying why it is skipped and how to build it.
 #                                             Either way it ends with a summary: each lane ran (passed / FAILED, its
-#                                             time) or was skipped and why, and "NOT a full run" when any was skipped.
+#                                             time) or was skipped and why, and "NOT a full run" when any was skipped
+#                                             (also in build/test-log/backends.summary: `make test` prints it again last).
 # A failing lane fails test-backends (after the other lanes have run), and so `make test`.
 
 BACKEND_ENV := bash scripts/backend_env.sh
@@ -39,7 +40,7 @@ test-mpi: venv
 	$(call LANE_PYTEST,mpi,$(PY))
 
 test-backends: venv
-	@failed=""; summary=""; ran=0; \
+	@failed=""; summary=""; ran=0; t_all=$$(date +%s); mkdir -p $(TEST_LOG); \
 	for lane in $(BACKEND_LANES); do \
 	  if ! $(BACKEND_ENV) $$lane --check; then \
 	    why=$$($(BACKEND_ENV) $$lane --why); \
@@ -63,7 +64,7 @@ test-backends: venv
 	  echo "== $$lane lane took $$took s"; \
 	  summary="$$summary\n==   $$lane: $$result ($$took s)"; \
 	done; \
-	echo "== backend lanes ($$ran of $(words $(BACKEND_LANES)) ran):"; printf '%b\n' "$$summary" | sed '/^$$/d'; \
-	if [ "$$ran" -lt $(words $(BACKEND_LANES)) ]; then \
-	  echo "== NOT a full run: the skipped lanes' backends were not tested"; fi; \
-	if [ -n "$$failed" ]; then echo "== backend lanes failed:$$failed"; exit 1; fi
+	{ echo "== backend lanes ($$ran of $(words $(BACKEND_LANES)) ran, $$(( $$(date +%s) - t_all )) s):"; printf '%b\n' "$$summary" | sed '/^$$/d'; \
+	  if [ "$$ran" -lt $(words $(BACKEND_LANES)) ]; then echo "== NOT a full run: the skipped lanes' backends were not tested"; fi; \
+	  if [ -n "$$failed" ]; then echo "== backend lanes failed:$$failed"; fi; } | tee $(TEST_LOG)/backends.summary; \
+	if [ -n "$$failed" ]; then exit 1; fi

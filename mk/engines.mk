@@ -6,7 +6,8 @@
 #   make env-engine-<lane>    build / install one lane's environment (cached; scripts/engines/<lane>.sh)
 #   make test-engine-<lane>   run one lane's tests (tests/integration/engines/lane_<lane>)
 #   make test-engines         CI=true: build what is missing and run every lane; otherwise run the lanes whose
-#                             environment is ready and say why each other one is skipped. Ends with a summary.
+#                             environment is ready and say why each other one is skipped. Ends with a summary
+#                             (also in build/test-log/engines.summary: `make test` prints it again last).
 #   make bench-engines        each engine's recovery in parts (benchmarks/engines.py -> benchmarks/results/engines.md;
 #                             an engine that cannot run here is skipped with its line; SLURM needs root)
 # Each lane script takes: (no flag) build | --check (exit 0 when ready, 1 when not built, 3 when it cannot run
@@ -30,7 +31,7 @@ $(ENGINE_LANES:%=test-engine-%): venv
 	$(call ENGINE_PYTEST,$(@:test-engine-%=%),"$$($(call ENGINE_ENV,$(@:test-engine-%=%)) --python)")
 
 test-engines: venv
-	@failed=""; summary=""; ran=0; \
+	@failed=""; summary=""; ran=0; t_all=$$(date +%s); mkdir -p $(TEST_LOG); \
 	for lane in $(ENGINE_LANES); do \
 	  $(call ENGINE_ENV,$$lane) --check; code=$$?; \
 	  if [ $$code -ne 0 ]; then \
@@ -57,7 +58,7 @@ test-engines: venv
 	  echo "== $$lane engine lane took $$took s"; \
 	  summary="$$summary\n==   $$lane: $$result ($$took s)"; \
 	done; \
-	echo "== engine lanes ($$ran of $(words $(ENGINE_LANES)) ran):"; printf '%b\n' "$$summary" | sed '/^$$/d'; \
-	if [ "$$ran" -lt $(words $(ENGINE_LANES)) ]; then \
-	  echo "== NOT a full run: the skipped engine lanes were not tested"; fi; \
-	if [ -n "$$failed" ]; then echo "== engine lanes failed:$$failed"; exit 1; fi
+	{ echo "== engine lanes ($$ran of $(words $(ENGINE_LANES)) ran, $$(( $$(date +%s) - t_all )) s):"; printf '%b\n' "$$summary" | sed '/^$$/d'; \
+	  if [ "$$ran" -lt $(words $(ENGINE_LANES)) ]; then echo "== NOT a full run: the skipped engine lanes were not tested"; fi; \
+	  if [ -n "$$failed" ]; then echo "== engine lanes failed:$$failed"; fi; } | tee $(TEST_LOG)/engines.summary; \
+	if [ -n "$$failed" ]; then exit 1; fi
