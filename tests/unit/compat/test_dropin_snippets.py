@@ -270,6 +270,7 @@ print("SEEN " + json.dumps([str(w.message) for w in caught]))
 """
 
 
+@pytest.mark.slow  # two fresh interpreters per case importing lightning / fabriclite: 4-5 s alone, 40-61 s at load 19
 @pytest.mark.parametrize("switch", ["0", "off", "OFF", "1", None])
 def test_possible_user_warnings_switch(tmp_path, switch):
     import subprocess

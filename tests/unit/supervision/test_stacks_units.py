@@ -139,6 +139,7 @@ def _start(tmp_path, code: str):
     return proc, stack_file
 
 
+@pytest.mark.slow  # a fresh rank process importing torch: 1.8 s alone, 35 s at load 19
 def test_the_bootstrap_handler_answers_even_while_the_rank_imports_torch(tmp_path, monkeypatch):
     # the handler is installed before the script runs: signalled while it imports torch, it dumps and goes on
     proc, stack_file = _start(tmp_path, "import os, sys, torch; print('imported', os.environ.get('PYTHONPATH'), "
