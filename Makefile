@@ -67,7 +67,8 @@ test: venv
 	if [ -n "$$failed" ]; then echo "== make test FAILED ($$(( $$(date +%s) - start )) s):$$failed"; exit 1; fi; \
 	echo "== make test passed ($$(( $$(date +%s) - start )) s)"
 
-# the core suite 3 times in a row, 2 busy processes loading the CPUs, no retries (STRESS_TESTS: a subset)
+# the core suite 3 times in a row, 2 busy processes loading the CPUs, no retries (STRESS_TESTS: a subset): every run
+# is made, each prints its counts, the last line the totals
 STRESS_TESTS ?= tests
 test-stress: venv
 	bash scripts/test_stress.sh $(PY) $(STRESS_TESTS)
