@@ -1,6 +1,8 @@
 """One node's heartbeat in a multi-node round, as its supervisor's loop drives it (the protocol is
 distributed/control_plane/liveness.py): every PULSE_S a pulse runs on the store's own thread (distributed/
-store_client.py), so the loop never waits for the network; node 0 also reads every node's pulse.
+store_client.py), so the loop never waits for the network; node 0 also reads every node's pulse. Under
+``--fault-tolerant`` each node is a job of its own and the lighthouse is what it shares with the others:
+:class:`LighthouseHeartbeat` ends a replica group that cannot reach it (the other groups go on without it).
 
 :meth:`NodeHeartbeat.tick` says what the loop must act on:
 
@@ -17,6 +19,7 @@ import json
 import os
 import socket
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -223,3 +226,39 @@ def _slow_line(record: Dict[str, Any]) -> str:
     return (f"fabriclite: node {record['node']} ({record['host']}) has a slow link to the job's store on node 0: "
             f"its heartbeats take {record['rtt_median_s']:g} s (median of the last {SLOW_PULSES}, up to "
             f"{record['rtt_max_s']:g} s; a healthy link answers in milliseconds){rates}.")
+
+
+class LighthouseHeartbeat:
+    """A replica group's link to the lighthouse (``--fault-tolerant``, a node that does not host it): a thread of its
+    own connects to ``host:port`` every PULSE_S (at most CONNECT_S each); :meth:`tick` returns an :class:`Ending` once
+    no connection succeeded for ``loss_s``: the group is cut off, the others drop it from their quorum, and it ends
+    itself instead of waiting on torchft's timeouts (a group started again once the link is back heals from a live
+    one)."""
+
+    CONNECT_S = 1.0
+
+    def __init__(self, node_rank: int, host: str, port: int, loss_s: float) -> None:
+        self.node, self.host, self.port, self.loss_s = node_rank, host, port, loss_s
+        self._answered = time.time()
+        self._stop = threading.Event()
+        threading.Thread(target=self._probe, name="fabriclite-lighthouse-heartbeat", daemon=True).start()
+
+    def _probe(self) -> None:
+        while not self._stop.wait(liveness.PULSE_S):
+            try:
+                socket.create_connection((self.host, self.port), timeout=self.CONNECT_S).close()
+                self._answered = time.time()
+            except OSError:
+                pass
+
+    def tick(self) -> Optional[Ending]:
+        since = self._answered
+        if time.time() - since <= self.loss_s:
+            return None
+        cause = (f"node {self.node} lost the lighthouse: the lighthouse at {self.host}:{self.port} is unreachable since "
+                 f"{clock(since)} (no answer for {time.time() - since:.0f} s, --heartbeat-timeout {self.loss_s:g}); "
+                 f"the other replica groups go on without this one")
+        return Ending(f"fabriclite: {cause}.\n  stopping the ranks of replica group {self.node}.", cause, lost=True)
+
+    def close(self) -> None:
+        self._stop.set()

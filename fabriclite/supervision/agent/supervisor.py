@@ -111,6 +111,7 @@ class Supervisor:
         self.preemption = Preemption(preempt)
         self.live = live
         self._lighthouse: Optional[Lighthouse] = None
+        self._beacon: Optional[heartbeat.LighthouseHeartbeat] = None  # a group's link to a lighthouse elsewhere
         #: the ranks' progress records, read for the watchers (supervision/watch/progress_records.py)
         self.progress = ProgressRecords(layout.global_rank)
         #: this node's pulses, node 0's watch over the others' (agent/heartbeat.py)
@@ -155,6 +156,7 @@ class Supervisor:
             self._lighthouse.wait_ready(self.timeout)
         else:
             wait_reachable(host, port, self.timeout)
+            self._beacon = heartbeat.LighthouseHeartbeat(live.group, host, port, self.loss_s)
 
     def child_env(self, local_rank: int) -> Dict[str, str]:
         """The variables a rank started here runs with (read by FabricliteEnvironment), plus the
@@ -239,6 +241,8 @@ class Supervisor:
                 self._lighthouse.stop()
                 if self._reaper is not None:
                     self._reaper.forget(self._lighthouse.pid)
+            if self._beacon is not None:
+                self._beacon.close()
             if self._reaper is not None:
                 self._reaper.close()
             restore()
@@ -315,7 +319,7 @@ class Supervisor:
             self.ranks.check_up(self.progress.last, self._when_up)
             if hung is not None:
                 return self._hung(hung)
-            if self.layout.num_nodes > 1:
+            if self.layout.num_nodes > 1 or self._beacon is not None:
                 code = self._heartbeat()
                 if code is not None:
                     return code
@@ -325,7 +329,7 @@ class Supervisor:
     def _heartbeat(self) -> Optional[int]:
         """The heartbeat's word (agent/heartbeat.py): 1 when the round ends here (its summary set), else None; a slow
         link is printed and recorded, the job goes on."""
-        outcome = self.heartbeat.tick()
+        outcome = self.heartbeat.tick() if self._beacon is None else self._beacon.tick()
         if isinstance(outcome, heartbeat.Notice):
             if self.report:
                 print_summary(outcome.line)

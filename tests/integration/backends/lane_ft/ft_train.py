@@ -15,7 +15,8 @@ a loaded machine, and all end at the same step. At the
 end it writes its weights to ``OUT/final-<group>.pt``. ``FT_KILL_GROUP`` / ``FT_KILL_STEP`` /
 ``FT_KILL_WHERE`` (``between``: after a committed step; ``allreduce``: after the forward, while the others wait
 in the gradient all-reduce) SIGKILL that group's rank at the first step >= FT_KILL_STEP of its first incarnation
-(``FT_KILL_ROUNDS``: of its first N). ``FT_HANG_GROUP`` / ``FT_HANG_STEP``: that group's rank sleeps for good
+(``FT_KILL_ROUNDS``: of its first N). ``FT_WAIT_STARTS=group:n``: the groups also wait until that group has started
+n times (relaunched by hand). ``FT_HANG_GROUP`` / ``FT_HANG_STEP``: that group's rank sleeps for good
 (user code, no collective) after that step, in its first incarnation.
 """
 import time
@@ -38,19 +39,22 @@ kill_step = int(os.environ.get("FT_KILL_STEP", "-1"))
 kill_where = os.environ.get("FT_KILL_WHERE", "between")
 kill_rounds = int(os.environ.get("FT_KILL_ROUNDS", "1"))
 wait_back = [int(g) for g in os.environ.get("FT_WAIT_BACK", os.environ.get("FT_KILL_GROUP", "")).split(",") if g]
+#: "group:n,...": also wait until that group has started n times (a group relaunched by hand after it ended)
+wait_starts = [tuple(int(x) for x in p.split(":")) for p in os.environ.get("FT_WAIT_STARTS", "").split(",") if p]
 
 
-def started(g: int, min_round: int) -> bool:
+def started(g: int, min_round: int, times: int = 1) -> bool:
     path = os.path.join(out, f"steps-{g}.txt")
     lines = open(path).read().splitlines() if os.path.exists(path) else []
-    return any(line.startswith("start ") and int(line.split()[1]) >= min_round for line in lines)
+    return sum(line.startswith("start ") and int(line.split()[1]) >= min_round for line in lines) >= times
 
 
 def all_back() -> bool:
     """Every group has started in this launch (a group starting after the others ended would train alone) and
     every group of FT_WAIT_BACK has come back."""
     groups = int(os.environ.get("FABRICLITE_FT_GROUPS", "1"))
-    return all(started(g, 0) for g in range(groups)) and all(started(g, 1) for g in wait_back)
+    return all(started(g, 0) for g in range(groups)) and all(started(g, 1) for g in wait_back) and \
+        all(started(g, 0, n) for g, n in wait_starts)
 
 
 fabric = Fabric()
