@@ -30,6 +30,7 @@ import torch
 from fabriclite.checkpoint import integrity
 from fabriclite.checkpoint.atomic import outcome, raise_failure, remove_path, swap_in, tmp_name
 from fabriclite.checkpoint.checkpoint_io import CheckpointIO, PathLike, TorchCheckpointIO
+from fabriclite.collectives import object_wire
 
 #: what runs once a checkpoint is complete on every rank (global rank 0): its files' digests -> None
 OnComplete = Callable[[Dict[str, Dict[str, Any]]], None]
@@ -251,23 +252,28 @@ def _renamed(relative: str, name: str) -> str:
 
 
 def _all_gather(group: Any, world: int, value: Any) -> List[Any]:
+    """Every rank's ``value`` over the background ``group`` (gloo), loaded with fabriclite's restricted unpickler."""
     if world == 1:
         return [value]
     import torch.distributed as dist
 
-    out: List[Any] = [None] * world
-    dist.all_gather_object(out, value, group=group)
-    return out
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        rows = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(rows, t, group=group)
+        return torch.stack(rows)
+    return object_wire.all_gather_objects(value, gather, torch.device("cpu"))
 
 
 def _broadcast(group: Any, world: int, value: Optional[str]) -> Optional[str]:
+    """Global rank 0's ``value`` over the background ``group``, loaded with fabriclite's restricted unpickler."""
     if world == 1:
         return value
     import torch.distributed as dist
 
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    def broadcast(t: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(t, src=0, group=group)
+        return t
+    return object_wire.broadcast_object(value, dist.get_rank() == 0, broadcast, torch.device("cpu"))
 
 
 __all__ = ["AsyncCheckpointIO", "AsyncSaveError", "AsyncShardedSaves", "InFlight", "snapshot"]

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from fabriclite.collectives.buffers import (CAPACITY, POOL_MIN_BYTES, SKELETON_AT, UNIT, Header, Message, Packed, Row, Slot,
                                             Words, pool_of)
+from fabriclite.collectives.object_pickle import dumps
 from fabriclite.collectives.plans import MAX_SIZE, Bucket, GatherPlan, Layout, Plan, align
 from fabriclite.collectives.state import Context
 from fabriclite.collectives.structure import Values
@@ -264,7 +265,7 @@ def pack_row(ctx: Context, plan: GatherPlan, leaves: Sequence[Any], header: bool
         offset = align(offset + raw.numel())
     length = offset
     if layout.object_ids:  # self-delimiting: the padding after it is ignored when loading
-        blob = pickle.dumps([leaves[i] for i in layout.object_ids], protocol=pickle.HIGHEST_PROTOCOL)
+        blob = dumps([leaves[i] for i in layout.object_ids])  # tensors inside by value, out of band
         extra.append((offset, _bytes_tensor(blob, ctx.device)))
         length = offset + len(blob)
     low = units(length)

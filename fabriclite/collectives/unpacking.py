@@ -3,7 +3,9 @@
 A reduced buffer becomes the caller's view of it (a mean divided, the result dtype) split into per-leaf
 results, or, with ``inplace=True``, written into the caller's own tensors; gathered rows are split into
 stacked (or concatenated) leaves and pickled leaves loaded; a broadcast's message is unpickled, its tensors
-read from the bytes after it. ``rebuild`` gives back the caller's own container types and key order.
+read from the bytes after it. Every pickle from another rank is loaded with the restricted unpickler
+(``object_pickle``): a class it does not allow raises ``pickle.UnpicklingError`` naming it. ``rebuild`` gives
+back the caller's own container types and key order.
 
 Result buffers are reused across calls once nothing outside can see them (``Pool``): a tensor per leaf
 (``unbind``) costs more than the collective for a dict of many scalars, and a fresh multi-megabyte buffer a
@@ -24,6 +26,7 @@ from torch import Tensor
 from fabriclite.collectives.autograd import attach_gather_grads
 from fabriclite.collectives.buffers import DETACH_BYTES, POOL_MIN_LEAVES, SKELETON_AT, Slot, pool_of, stacked_slot
 from fabriclite.collectives.header import Gathered
+from fabriclite.collectives.object_pickle import SafeUnpickler, check_shape, dtype_named, loads
 from fabriclite.collectives.plans import Bucket, GatherPlan, Layout, Plan, align
 from fabriclite.collectives.state import Context
 from fabriclite.collectives.structure import DATACLASS, LEAF, MAPPING, NAMEDTUPLE, TENSOR, Spec, Tree
@@ -183,7 +186,7 @@ def _rank_leaves(spec: Spec, layout: Layout, row: Tensor) -> Tuple[List[Tensor],
         offset = align(offset + nbytes)
     objects: List[Any] = []
     if layout.object_ids:
-        objects = pickle.loads(row[offset:].cpu().numpy().tobytes())
+        objects = loads(row[offset:].cpu().numpy().tobytes())
     return tensors, objects
 
 
@@ -217,16 +220,23 @@ def _split_stacked(region: Tensor, bucket: Bucket, slot: Optional[Slot] = None) 
 
 
 # ---------------------------------------------------------------------------------------------- broadcasts
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(SafeUnpickler):
+    """The restricted unpickler (``object_pickle``) reading a broadcast's tensors from the bytes after its skeleton."""
+
     def __init__(self, file: io.BytesIO, data: Tensor) -> None:
         super().__init__(file)
         self.data = data
         self.offset = 0
 
-    def persistent_load(self, pid: Tuple[int, str, Tuple[int, ...]]) -> Tensor:
+    def persistent_load(self, pid: Any) -> Tensor:
+        if not (isinstance(pid, tuple) and len(pid) == 3):
+            return super().persistent_load(pid)
         _, dtype_name, shape = pid
-        dtype = getattr(torch, dtype_name)
+        dtype, shape = dtype_named(dtype_name), check_shape(shape)
         start, nbytes = self.offset, math.prod(shape) * dtype.itemsize
+        if start + nbytes > self.data.numel():
+            raise pickle.UnpicklingError(f"fabriclite: a broadcast's tensor {shape} {dtype} lies past the end of its "
+                                         f"message ({self.data.numel()} bytes).")
         self.offset = align(start + nbytes)
         out = self.data[start:start + nbytes].view(dtype).view(shape)
         if self.data.numel() > DETACH_BYTES and nbytes < self.data.numel():

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fabriclite.checkpoint.checkpoint_io import CheckpointIO
+from fabriclite.collectives import object_wire
 from fabriclite.distributed import rendezvous
 from fabriclite.distributed.control_plane import keys, meeting
 from fabriclite.distributed.network import gloo_interface
@@ -364,14 +365,13 @@ class DDPStrategy(ParallelStrategy):
         return tensor
 
     def all_gather_object(self, obj: Any, group: Any = None) -> List[Any]:
-        out: List[Any] = [None] * dist.get_world_size(group)
-        self._call("all_gather_object", dist.all_gather_object, out, obj, group=group)
-        return out
+        """Every member's ``obj``, loaded with fabriclite's restricted unpickler (``collectives.object_wire``)."""
+        return object_wire.all_gather_objects(obj, lambda t: self.flat_all_gather(t, group), self._object_device())
 
     def broadcast_object(self, obj: Any, src: int = 0, group: Any = None) -> Any:
-        box = [obj]
-        self._call("broadcast_object", dist.broadcast_object_list, box, src, group=group, device=self._object_device())
-        return box[0]
+        """``src``'s ``obj`` (a global rank), loaded with fabriclite's restricted unpickler on the others."""
+        return object_wire.broadcast_object(obj, self.global_rank == src, lambda t: self.flat_broadcast(t, src, group),
+                                            self._object_device())
 
     def barrier(self, name: Optional[str] = None, group: Any = None) -> None:
         if self._backend() == "nccl":
@@ -379,8 +379,8 @@ class DDPStrategy(ParallelStrategy):
         else:
             self._call("barrier", dist.barrier, group=group)
 
-    def _object_device(self) -> Optional[torch.device]:
-        return self.root_device if self._backend() == "nccl" else None
+    def _object_device(self) -> torch.device:
+        return self.root_device if self._backend() == "nccl" else torch.device("cpu")
 
 
 def _torchelastic_agent_store() -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import types
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -14,6 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from fabriclite.collectives import object_wire
 from fabriclite.collectives.ops import BITWISE_OPS, check_native_reduce, reduce_rows_bitwise
 from fabriclite.strategies.parallel import ParallelStrategy
 
@@ -261,18 +261,14 @@ class HorovodStrategy(ParallelStrategy):
         return _from_movable(out, tensor.dtype)
 
     def all_gather_object(self, obj: Any, group: Any = None) -> List[Any]:
-        """Every member's ``obj`` (pickled), in group-rank order."""
-        hvd, pset = self._hvd(), self._set(group)
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
-        sizes = hvd.allgather(torch.tensor([len(payload)]), name="fabriclite.all_gather_object.size", process_set=pset)
-        blob = hvd.allgather(data, name="fabriclite.all_gather_object", process_set=pset)
-        return [pickle.loads(chunk.numpy().tobytes()) for chunk in torch.split(blob, sizes.tolist())]
+        """Every member's ``obj`` in group-rank order, loaded with fabriclite's restricted unpickler."""
+        return object_wire.all_gather_objects(obj, lambda t: self.flat_all_gather(t, group), torch.device("cpu"))
 
     def broadcast_object(self, obj: Any, src: int = 0, group: Any = None) -> Any:
-        """``src``'s ``obj`` on every member (a fixed collective name, so ranks may pass objects of any type)."""
-        return self._hvd().broadcast_object(obj, root_rank=src, name="fabriclite.broadcast_object",
-                                            process_set=self._set(group))
+        """``src``'s ``obj`` (``src`` a global rank) on every member, loaded with fabriclite's restricted unpickler
+        (not Horovod's ``broadcast_object``, which unpickles anything)."""
+        return object_wire.broadcast_object(obj, self.global_rank == src, lambda t: self.flat_broadcast(t, src, group),
+                                            torch.device("cpu"))
 
     def barrier(self, name: Optional[str] = None, group: Any = None) -> None:
         self._hvd().barrier(process_set=self._set(group))

@@ -7,7 +7,6 @@ collective at the same time.
 """
 from __future__ import annotations
 
-import pickle
 import threading
 from contextlib import nullcontext
 from typing import Any, ContextManager, Dict, List, Optional, Union
@@ -18,6 +17,7 @@ from torch.optim import Optimizer
 
 from fabriclite.accelerators.xla import import_xla
 from fabriclite.checkpoint.checkpoint_io import CheckpointIO
+from fabriclite.collectives import object_wire
 from fabriclite.collectives.ops import BITWISE_OPS, check_native_reduce, reduce_rows_bitwise
 from fabriclite.strategies.parallel import ParallelStrategy
 from fabriclite.strategies.single_device import SingleDeviceStrategy
@@ -264,17 +264,14 @@ class XLAStrategy(_XLAMixin, ParallelStrategy):
         return self.flat_all_gather(tensor, group)[src]
 
     def all_gather_object(self, obj: Any, group: Any = None) -> List[Any]:
-        """Every replica's ``obj`` (pickled), in rank order."""
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        sizes = self.flat_all_gather(torch.tensor([len(payload)], dtype=torch.int64), group)[:, 0].tolist()
-        blob = self.flat_all_gather(_padded(payload, max(sizes)), group)
-        return [pickle.loads(row[:n].numpy().tobytes()) for row, n in zip(blob, sizes)]
+        """Every replica's ``obj`` in rank order, loaded with fabriclite's restricted unpickler."""
+        return object_wire.all_gather_objects(obj, lambda t: self.flat_all_gather(t, group), torch.device("cpu"))
 
     def broadcast_object(self, obj: Any, src: int = 0, group: Any = None) -> Any:
-        """``src``'s ``obj`` on every replica; the others' objects are not sent."""
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.global_rank == src else b""
-        size = int(self.flat_all_gather(torch.tensor([len(payload)], dtype=torch.int64), group)[src, 0])
-        return pickle.loads(self.flat_broadcast(_padded(payload, size), src, group).numpy().tobytes())
+        """``src``'s ``obj`` on every replica, loaded with fabriclite's restricted unpickler; the others' objects
+        are not sent."""
+        return object_wire.broadcast_object(obj, self.global_rank == src, lambda t: self.flat_broadcast(t, src, group),
+                                            torch.device("cpu"))
 
     def barrier(self, name: Optional[str] = None, group: Any = None) -> None:
         self.flat_all_reduce(torch.zeros(1), "sum", group)
@@ -291,13 +288,6 @@ def _unbits(bits: Tensor, dtype: torch.dtype) -> Tensor:
         real = torch.float64 if dtype == torch.complex128 else torch.float32
         return torch.view_as_complex(bits.view(real).contiguous())
     return bits.view(dtype) if dtype in _BITS else bits
-
-
-def _padded(payload: bytes, size: int) -> Tensor:
-    out = torch.zeros(size, dtype=torch.uint8)
-    if payload:
-        out[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    return out
 
 
 def _device_loader(dataloader: Any, device: torch.device) -> Any:
