@@ -7,13 +7,15 @@ supervisor) and strategies (whose ranks join it) can both use it.
 """
 from __future__ import annotations
 
+import errno
+import ipaddress
 import os
 import re
 import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, List, Union
+from typing import Any, Callable, List, Optional, Union
 
 from torch.distributed import TCPStore
 
@@ -70,12 +72,25 @@ def resolve_timeout(timeout: Union[None, float, int, timedelta]) -> timedelta:
 
 
 def host_store(address: str, port: int, timeout: timedelta) -> TCPStore:
-    """Start the store server at ``address:port`` (port 0: any free port; read ``store.port``).
+    """Start the store server at ``address:port`` (port 0: any free port; read ``store.port``), listening on that
+    address alone (``listener``): torch's own server listens on every interface whatever host it is given.
 
     Raises RendezvousError naming the address and port when the port is taken.
     """
     try:
-        return TCPStore(address, port, None, True, timeout, wait_for_workers=False, multi_tenant=True)
+        sock = listener(address, port)
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise RendezvousError(
+                f"fabriclite: main port {port} on {address} is already in use by another process. Pick a free "
+                f"one (--main-port / MASTER_PORT), or leave it unset on one node to get a free port.") from err
+        raise RendezvousError(f"fabriclite: could not start the rendezvous store on {address}:{port}: {err}") from err
+    try:
+        if sock is None:
+            return TCPStore(address, port, None, True, timeout, wait_for_workers=False, multi_tenant=True)
+        bound = sock.getsockname()[1]
+        return TCPStore(address, bound, None, True, timeout, wait_for_workers=False, multi_tenant=True,
+                        master_listen_fd=sock.detach())
     except (RuntimeError, OSError) as err:
         if port and port_in_use(address, port):
             raise RendezvousError(
@@ -83,6 +98,42 @@ def host_store(address: str, port: int, timeout: timedelta) -> TCPStore:
                 f"one (--main-port / MASTER_PORT), or leave it unset on one node to get a free port."
             ) from err
         raise RendezvousError(f"fabriclite: could not start the rendezvous store on {address}:{port}: {err}") from err
+
+
+def listener(address: str, port: int) -> Optional[socket.socket]:
+    """A socket listening on ``address:port`` alone (the narrowest address that works), or None where no single
+    address can be chosen and the caller listens on every interface: an unspecified address (``0.0.0.0``, ``::``,
+    ""), a name that resolves to loopback here but is not loopback by name (Debian maps a host's own name to
+    127.0.1.1, while the other nodes reach that name at its real address), a name that does not resolve, or an
+    address that is not this host's. OSError (EADDRINUSE) when the port is taken."""
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(address or None, port, type=socket.SOCK_STREAM)[0]
+        ip = ipaddress.ip_address(where[0].split("%")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if ip.is_unspecified or (ip.is_loopback and not is_loopback_name(address)):
+        return None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRNOTAVAIL:  # not an address of this host (a name for a virtual address)
+            return None
+        raise
+    return sock
+
+
+def is_loopback_name(address: str) -> bool:
+    """Whether ``address`` names loopback by itself: ``localhost``, ``127.x.y.z``, ``::1``."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def join_store(address: str, port: int, timeout: timedelta) -> TCPStore:

@@ -10,7 +10,8 @@ torchft's lighthouse in its own process.
   heartbeated for ``LINGER_S``). ``--lighthouse HOST:PORT`` names an external one instead; node 0 then starts
   none.
 - The lighthouse's timeouts (``JOIN_TIMEOUT_MS``, ``HEARTBEAT_TIMEOUT_MS``) drop a lost group from the quorum
-  within about a second instead of torchft's one-minute join default.
+  within about a second instead of torchft's one-minute join default. It listens on the main address alone
+  (``bind_address``), not on every interface as torchft's own command line suggests.
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ class Lighthouse:
                                   f"use. Pick a free --main-port, or pass --lighthouse HOST:PORT to use a running one.")
         beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")  # torchft's console script
         command = [beside if os.path.exists(beside) else (shutil.which("torchft_lighthouse") or beside),
-                   "--bind", f"[::]:{port}", "--min_replicas", str(min_replicas),
+                   "--bind", bind_address(host, port), "--min_replicas", str(min_replicas),
                    "--join_timeout_ms", os.environ.get("FABRICLITE_FT_JOIN_TIMEOUT_MS", str(JOIN_TIMEOUT_MS)),
                    "--quorum_tick_ms", str(QUORUM_TICK_MS),
                    "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
@@ -166,6 +167,17 @@ class Lighthouse:
 
     def poll(self) -> Optional[int]:
         return self.process.poll()
+
+
+def bind_address(host: str, port: int) -> str:
+    """What the lighthouse listens on: ``host``'s address alone (rendezvous.listener's rule), or every interface
+    where no single address can be chosen (a name that resolves to loopback here only)."""
+    sock = rendezvous.listener(host, port)
+    if sock is None:
+        return f"[::]:{port}"
+    address = sock.getsockname()[0]
+    sock.close()
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 def live_groups(page: str, heartbeat_timeout_s: float) -> List[str]:

@@ -2,7 +2,7 @@
 a host's link down for good, the store host's link down, a 3 s flap, and one case with 2 ranks per host. Each fault
 comes at step FAULT_AT (rank 0 says when). Each case asserts the bound (from the fault to every process of the job
 gone), the exit codes, the named node in every node's summary, and that no process is left; the flap ends with the
-weights of the unfaulted run, bit for bit. The link goes down at the bridge (the host's port on the switch): both
+weights of the unfaulted run, bit for bit, and no process of the job listens on every interface. The link goes down at the bridge (the host's port on the switch): both
 sides see silence, as with a pulled cable, not an error."""
 from __future__ import annotations
 
@@ -97,6 +97,16 @@ class Job:
                          for k, p in enumerate(self.procs))
 
 
+def assert_no_wildcard_listener(cluster: Cluster) -> None:
+    """In each host, no listening TCP socket of the job's processes is on every interface (``*``, ``0.0.0.0``,
+    ``[::]``): the store listens on node 0's address, gloo on each host's."""
+    for node in range(NODES):
+        out = subprocess.run(["ip", "netns", "exec", cluster.host(node), "ss", "-Hltnp"], capture_output=True,
+                             text=True, check=True).stdout
+        wide = [line for line in out.splitlines() if line.split()[3].rsplit(":", 1)[0] in ("*", "0.0.0.0", "[::]")]
+        assert not wide, f"node {node} listens on every interface:\n" + "\n".join(wide)
+
+
 def set_link(cluster: Cluster, node: int, state: str) -> None:
     """Node ``node``'s port on the bridge up or down."""
     subprocess.run(["ip", "-n", cluster.hub, "link", "set", cluster.host(node), state], check=True)
@@ -160,6 +170,7 @@ def test_a_flap_shorter_than_the_bounds_changes_nothing(links: Cluster, tmp_path
     assert reference.codes == [0, 0, 0], reference.logs()
     job = Job(links, tmp_path / "flap")
     job.wait_for_fault_step()
+    assert_no_wildcard_listener(links)
     set_link(links, 2, "down")
     time.sleep(3.0)
     set_link(links, 2, "up")

@@ -42,3 +42,39 @@ def test_override_here_follows_what_the_hostname_resolves_to():
 def test_unknown_names_do_not_raise():
     assert network.gloo_interface("no-such-host.invalid") is None
     assert network.interface_address("no-such-if0") is None
+
+
+def _listening(port: int) -> list:
+    """The local addresses of the listening TCP sockets on ``port`` (from ss)."""
+    import subprocess
+
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True).stdout
+    return [line.split()[3] for line in out.splitlines() if line.strip()]
+
+
+def test_the_store_listens_on_its_address_alone() -> None:
+    from datetime import timedelta
+
+    from fabriclite.distributed import rendezvous
+
+    store = rendezvous.host_store("127.0.0.1", 0, timedelta(seconds=10))
+    assert _listening(store.port) == [f"127.0.0.1:{store.port}"]  # torch's own server listens on *:PORT
+    client = rendezvous.join_store("127.0.0.1", store.port, timedelta(seconds=10))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def test_where_no_single_address_can_be_chosen_every_interface_listens() -> None:
+    import socket
+
+    from fabriclite.distributed import rendezvous
+
+    for address in ("0.0.0.0", "", "192.0.2.1"):  # unspecified; not an address of this host (TEST-NET-1)
+        assert rendezvous.listener(address, 0) is None, address
+    sock = rendezvous.listener("localhost", 0)
+    assert sock is not None and ipaddress.ip_address(sock.getsockname()[0]).is_loopback
+    sock.close()
+    name = socket.gethostname()
+    resolved = socket.gethostbyname(name)
+    if ipaddress.ip_address(resolved).is_loopback:  # Debian: the host's name maps to 127.0.1.1 here only
+        assert rendezvous.listener(name, 0) is None
