@@ -11,7 +11,11 @@ Rank 0 writes the final weights to $OUT.
 - CONTROL=1   in a restarted round, after the run, the negative control: the layout fix switched off
   (FABRICLITE_DDP_BUCKET_LAYOUT=0), the same resume again from the same checkpoint in the same processes (a new
   model, DDP, optimizer and loader; no kills, no saves); its final weights go to $OUT.control
+- REFERENCE_OUT, REFERENCE_CKPT_DIR   in round 0, before the run, the uninterrupted run in the same fresh processes
+  (a new model, DDP, optimizer and loader; its saves into REFERENCE_CKPT_DIR, no kill): its final weights go to
+  $REFERENCE_OUT. One job then holds both runs of a case, and its ranks start once for both.
 """
+import gc
 import os
 import signal
 
@@ -52,21 +56,24 @@ class Reordered(nn.Module):
         return self.head(torch.tanh(self.mid(torch.tanh(self.embed(x)))))
 
 
-def train(fabric: Fabric, control: bool = False) -> list:
+def train(fabric: Fabric, control: bool = False, reference: bool = False) -> list:
     """Set up, ``load_latest``, train to STEPS; the final weights (gathered under fsdp). ``control``: no kills and
-    no saves (the negative control's pass)."""
+    no saves (the negative control's pass). ``reference``: no kills, saves in REFERENCE_CKPT_DIR (the uninterrupted
+    run's pass)."""
+    ckpt_dir = os.environ["REFERENCE_CKPT_DIR"] if reference else CKPT_DIR
     fabric.seed_everything(1234, verbose=False)
     model = Reordered()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(Points(), batch_size=2, shuffle=True))
     state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0, "resume": fabric.resume_state()}
-    resumed = fabric.load_latest(CKPT_DIR, state)
+    resumed = fabric.load_latest(ckpt_dir, state)
     step = state["step"]
-    fabric.print(f"{'CONTROL' if control else 'ROUND'} {fabric.restart_count} resumed from "
-                 f"{os.path.basename(resumed) if resumed else None} at step {step}", flush=True)
+    name = "CONTROL" if control else "REFERENCE" if reference else "ROUND"
+    fabric.print(f"{name} {fabric.restart_count} resumed from {os.path.basename(resumed) if resumed else None} "
+                 f"at step {step}", flush=True)
     kill = os.environ.get("KILL_AT")
-    kill_step, kill_rank = (int(v) for v in kill.split(":")) if kill and not control else (-1, -1)
+    kill_step, kill_rank = (int(v) for v in kill.split(":")) if kill and not control and not reference else (-1, -1)
     while step < STEPS:
         for x, y in loader:
             loss = nn.functional.cross_entropy(model(x), y)
@@ -78,7 +85,7 @@ def train(fabric: Fabric, control: bool = False) -> list:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step in SAVE_AT and not control:
                 state["step"] = step
-                fabric.save(os.path.join(CKPT_DIR, f"step-{step:04d}.ckpt"), state, keep=2)
+                fabric.save(os.path.join(ckpt_dir, f"step-{step:04d}.ckpt"), state, keep=2)
             if step >= STEPS:
                 break
     return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
@@ -87,6 +94,13 @@ def train(fabric: Fabric, control: bool = False) -> list:
 def main() -> None:
     fabric = Fabric(accelerator="cpu", strategy=os.environ.get("STRATEGY", "ddp"))
     fabric.launch()
+    if os.environ.get("REFERENCE_OUT") and fabric.restart_count == 0:
+        reference = train(fabric, reference=True)
+        if fabric.global_rank == 0:
+            torch.save(reference, os.environ["REFERENCE_OUT"])
+        gc.collect()  # the reference's DDP module is gone: its bucket layout is not recorded with the run's
+        layouts = fabric.strategy.bucket_layout() if hasattr(fabric.strategy, "bucket_layout") else None
+        assert layouts is None, f"the reference pass's DDP module outlived it: {layouts}"
     final = train(fabric)
     if fabric.global_rank == 0:
         torch.save(final, os.environ["OUT"])
