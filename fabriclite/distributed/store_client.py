@@ -22,8 +22,11 @@ import threading
 import time
 from typing import Any, Callable, List, Optional
 
-#: how often a waiting caller looks at ``interrupted()`` (seconds)
+#: how often a waiting caller looks at ``interrupted()`` (seconds), and how much longer it then waits for an answer
+#: (a healthy store answers in milliseconds, a loaded machine's in tens of them: the word "stopped on SIGINT" still
+#: reaches the other nodes; a silent one costs at most this before the signal is answered)
 SLICE_S = 0.05
+INTERRUPTED_GRACE_S = 0.5
 
 
 class StoreUnreachable(RuntimeError):
@@ -130,14 +133,17 @@ class StoreClient:
 
     def wait(self, request: Request, what: str) -> Any:
         """``request``'s outcome, waiting at most ``deadline_s`` from now (StoreUnreachable naming ``what`` after
-        that; RequestAbandoned once ``interrupted()``)."""
-        end = time.monotonic() + self.deadline_s
+        that), and at most INTERRUPTED_GRACE_S once ``interrupted()`` (then RequestAbandoned)."""
+        end, interrupted = time.monotonic() + self.deadline_s, False
         while not request.done.wait(min(SLICE_S, max(0.0, end - time.monotonic()))):
-            if self.interrupted():
+            if not interrupted and self.interrupted():  # a healthy store still answers within the grace
+                interrupted, end = True, min(end, time.monotonic() + INTERRUPTED_GRACE_S)
+            if time.monotonic() < end:
+                continue
+            self._connection.abandoned = request  # the next requests fail at once while it is unanswered
+            if interrupted:
                 raise RequestAbandoned(f"stopped waiting for the job's store at {self.where} ({what}): interrupted")
-            if time.monotonic() >= end:
-                self._connection.abandoned = request
-                raise StoreUnreachable(self.where, request.started or request.submitted, what)
+            raise StoreUnreachable(self.where, request.started or request.submitted, what)
         return request.outcome()
 
     def _call(self, name: str, *args: Any) -> Any:
