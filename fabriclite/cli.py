@@ -1,5 +1,6 @@
 """``fabriclite run [options] SCRIPT [SCRIPT ARGS]``: start and supervise one node's ranks.
-``fabriclite consolidate FOLDER [--output_file F]``: a sharded checkpoint as one file ``torch.load`` reads.
+``fabriclite consolidate FOLDER [--output_file F] [--trusted]``: a sharded checkpoint as one file ``torch.load``
+reads (``--trusted``: read it with ``weights_only=False``).
 ``fabriclite report RUN_FOLDER_OR_EVENTS [--output F] [--format html|perfetto] [--run ID] [--beside TRACE]``: a
 job's history as one self-contained HTML page, or as Chrome trace-event JSON for Perfetto (fabriclite/report/).
 
@@ -99,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("checkpoint_folder", help="a sharded checkpoint (torch.distributed.checkpoint files + meta.pt)")
     merge.add_argument("--output_file", "--output-file", default=None,
                        help="where to write it (must not exist; default FOLDER.consolidated)")
+    merge.add_argument("--trusted", action="store_true",
+                       help="the folder is yours: read meta.pt and the non-tensor items with weights_only=False "
+                            "(loading them runs any code they hold); by default nothing read runs code")
     report = sub.add_parser("report", help="a job's history (its events record) as an HTML page or a Perfetto trace")
     report.add_argument("sources", nargs="+", metavar="RUN_FOLDER_OR_EVENTS",
                         help="a run folder, a folder of events-node<N>.jsonl files, or such files")
@@ -132,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             folder, output = _prepare_consolidate(args)
         except (ValueError, TypeError) as err:
             usage_error(args.command, str(err))
-        _consolidate(folder, output)
+        _consolidate(folder, output, args.trusted)
         return 0
     try:
         job = _prepare_run(args)
@@ -335,14 +339,23 @@ def _prepare_consolidate(args: argparse.Namespace) -> Tuple[str, str]:
     return folder, output
 
 
-def _consolidate(folder: str, output: str) -> None:
+def _consolidate(folder: str, output: str, trusted: bool = False) -> None:
+    import pickle
+    import re
+
     from fabriclite.checkpoint.atomic import atomic_save
     from fabriclite.checkpoint.dcp import consolidate
 
     try:
-        merged = consolidate(folder)
+        merged = consolidate(folder, weights_only=False if trusted else None)
     except FileNotFoundError as err:  # a shard missing: named, nothing written
         usage_error("consolidate", str(err))
+    except pickle.UnpicklingError as err:  # something that would run code: refused, nothing written
+        found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(err))  # torch's weights-only refusal
+        first = found.group(1) if found else (str(err).strip().splitlines() or [type(err).__name__])[0]
+        hint = "" if "--trusted" in first else " If the folder is yours, pass --trusted."
+        usage_error("consolidate", f"nothing was written: {folder} holds what would run code when loaded "
+                                   f"({first}).{hint}")
     atomic_save(merged, output)
 
 

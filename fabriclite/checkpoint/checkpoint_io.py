@@ -10,7 +10,8 @@ write torch.distributed.checkpoint directories and take no plugin (as in Lightni
 
 ``TorchCheckpointIO`` (the default) writes with ``torch.save`` through fabriclite's atomic protocol on local
 paths (temporary name beside the target, fsync, rename, directory fsync) and with one upload on fsspec URLs,
-and reads with ``torch.load``; a file that cannot be read is a ``CorruptCheckpointError`` naming it.
+and reads with ``torch.load(weights_only=True)`` unless told ``False``; a file that cannot be read is a
+``CorruptCheckpointError`` naming it.
 """
 from __future__ import annotations
 
@@ -25,9 +26,13 @@ import torch
 from fabriclite.checkpoint import remote_paths
 from fabriclite.checkpoint.atomic import atomic_save, remove_path
 from fabriclite.checkpoint.integrity import CorruptCheckpointError
+from fabriclite.checkpoint.safe_loading import torch_load
 from fabriclite.distributed import rendezvous
 
 PathLike = Union[str, "os.PathLike[str]"]
+#: torch's weights-only unpickler refusing a global or a class the file names (an unknown opcode is read as damage:
+#: garbage bytes look like one)
+_REFUSED = re.compile(r"Unsupported (global|class)|unrecognized function|Can only build")
 
 
 class CheckpointIO(ABC):
@@ -46,8 +51,8 @@ class CheckpointIO(ABC):
     @abstractmethod
     def load_checkpoint(self, path: PathLike, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        """The checkpoint stored at ``path``. ``map_location`` as in ``torch.load``; ``weights_only`` None is
-        torch.load's default (tensors, containers and primitives only)."""
+        """The checkpoint stored at ``path``. ``map_location`` as in ``torch.load``; ``weights_only`` None means
+        True (tensors, containers and primitives only): fabriclite passes True or the caller's False."""
 
     @abstractmethod
     def remove_checkpoint(self, path: PathLike) -> None:
@@ -93,8 +98,10 @@ class TorchCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: PathLike, map_location: Optional[Callable] = _saved_location,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """``torch.load`` of ``path``. FileNotFoundError naming it when it does not exist; CorruptCheckpointError
-        (a RuntimeError) naming it when it cannot be read (truncated, damaged, not a torch file). A file refused by
-        ``weights_only=True`` raises torch's own error, which says how to allow it."""
+        (a RuntimeError) naming it when it cannot be read (truncated, damaged, not a torch file). ``weights_only``
+        None is True, also under ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (``fabriclite.checkpoint.safe_loading``);
+        pass False only for a file you trust. A file refused by ``weights_only=True`` raises torch's own error,
+        which says how to allow it."""
         target = remote_paths.normalize(path)
         if not remote_paths.exists(target) or remote_paths.isdir(target):
             raise FileNotFoundError(f"Checkpoint file not found: {target}")
@@ -102,10 +109,10 @@ class TorchCheckpointIO(CheckpointIO):
             if remote_paths.is_remote(target):
                 fs, inner = remote_paths.filesystem(target)
                 with fs.open(inner, "rb") as f:
-                    return torch.load(f, map_location=map_location, weights_only=weights_only)
-            return torch.load(target, map_location=map_location, weights_only=weights_only)
+                    return torch_load(f, map_location, weights_only)
+            return torch_load(target, map_location, weights_only)
         except pickle.UnpicklingError as err:
-            if "Unsupported global" in str(err):  # weights_only refused a class: torch's message says what to do
+            if _REFUSED.search(str(err)):  # weights_only refused what the file asks for: torch's message says why
                 raise
             raise CorruptCheckpointError(target, _describe(err)) from err
         except (RuntimeError, EOFError, OSError, KeyError, ValueError, UnicodeDecodeError, IndexError) as err:

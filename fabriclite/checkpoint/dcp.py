@@ -18,10 +18,10 @@ import os
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from fabriclite.checkpoint import safe_loading
 from fabriclite.checkpoint.atomic import WriteErrors, write_file
 
 METADATA_FILENAME = "meta.pt"
@@ -212,16 +212,24 @@ def _one_module(state: Mapping[str, Any], what: str) -> Optional[nn.Module]:
 
 
 # ---------------------------------------------------------------------- sharded reading
-def check_complete(path: str) -> None:
+def reader(path: str, trusted: bool = False) -> Any:
+    """DCP's reader of the folder ``path``: one that reads ``.metadata`` without running code
+    (``safe_loading.safe_reader``) unless the caller ``trusted`` the folder (``weights_only=False``)."""
+    if not trusted:
+        return safe_loading.safe_reader(path)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(path)
+
+
+def check_complete(path: str, trusted: bool = False) -> None:
     """FileNotFoundError listing every file the sharded checkpoint at ``path`` needs but lacks (its metadata,
-    a rank's shard file, ``meta.pt``). Reads only the small metadata file."""
+    a rank's shard file, ``meta.pt``). Reads only the small metadata file (see ``reader`` for ``trusted``)."""
     missing: List[str] = []
     if not os.path.isfile(os.path.join(path, DCP_METADATA)):
         missing.append(DCP_METADATA)
     else:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        storage = FileSystemReader(path).read_metadata().storage_data or {}
+        storage = reader(path, trusted).read_metadata().storage_data or {}
         files = sorted({getattr(info, "relative_path", None) for info in storage.values()} - {None})
         missing += [f for f in files if not os.path.isfile(os.path.join(path, f))]
     if not os.path.isfile(os.path.join(path, METADATA_FILENAME)):
@@ -232,11 +240,9 @@ def check_complete(path: str) -> None:
                                 "must be on a filesystem this rank reads).")
 
 
-def _check_keys(path: str, modules: Mapping[str, Mapping[str, Any]]) -> None:
+def _check_keys(path: str, modules: Mapping[str, Mapping[str, Any]], trusted: bool) -> None:
     """KeyError naming the model keys the checkpoint lacks (strict loading), before anything is read."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    stored = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    stored = set(reader(path, trusted).read_metadata().state_dict_metadata)
     missing = sorted(f"{key}.{name}" for key, sd in modules.items() for name in sd if f"{key}.{name}" not in stored)
     if missing:
         raise KeyError(f"The checkpoint {path} lacks keys the model has: {missing[:8]}"
@@ -244,42 +250,56 @@ def _check_keys(path: str, modules: Mapping[str, Mapping[str, Any]]) -> None:
                        "strict=False to load only the keys both have.")
 
 
-def consolidate(path: str) -> Dict[str, Any]:
+def consolidate(path: str, weights_only: Optional[bool] = None) -> Dict[str, Any]:
     """The whole sharded checkpoint at ``path`` as one dict of full tensors on the CPU (``meta.pt``'s entries
-    included), read by this process alone: what ``fabriclite consolidate`` writes."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    included), read by this process alone: what ``fabriclite consolidate`` writes. Unless ``weights_only`` is
+    False (a folder you trust), nothing read runs code: ``.metadata`` through the restricted unpickler, the byte
+    items and ``meta.pt`` with ``weights_only=True`` (``fabriclite.checkpoint.safe_loading``)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    check_complete(path)
+    safe = safe_loading.resolve_weights_only(weights_only)
+    safe_loading.warn_vulnerable_torch()
+    check_complete(path, trusted=not safe)
     checkpoint: Dict[str, Any] = {}
-    _load_state_dict(checkpoint, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
-    checkpoint.update(torch.load(os.path.join(path, METADATA_FILENAME), map_location="cpu", weights_only=False))
+    with safe_loading.refusals_named(path):
+        _load_state_dict(checkpoint, storage_reader=reader(path, not safe), planner=_planner(safe, empty=True),
+                         no_dist=True)
+    checkpoint.update(safe_loading.torch_load(os.path.join(path, METADATA_FILENAME), "cpu", safe))
     return checkpoint
+
+
+def _planner(safe: bool, empty: bool = False, **kwargs: Any) -> Any:
+    """DCP's load planner; ``safe``: one whose byte items load with ``weights_only=True``."""
+    if safe:
+        return safe_loading.safe_planner(empty, **kwargs)
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    return (_EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner)(**kwargs)
 
 
 def load_sharded(strategy: Any, path: str, state: Any, strict: bool = True,
                  weights_only: Optional[bool] = None) -> Dict[str, Any]:
     """Restore ``state`` (a dict: one module, its optimizers, other objects) from the sharded checkpoint at
     ``path`` into a sharded or plain run of any world size; returns ``meta.pt``'s entries not requested.
-    ``state`` None / empty: the whole checkpoint consolidated. A module alone: its weights."""
-    check_complete(path)
+    ``state`` None / empty: the whole checkpoint consolidated. A module alone: its weights. ``weights_only`` as
+    for ``consolidate``."""
+    safe = safe_loading.resolve_weights_only(weights_only)
+    check_complete(path, trusted=not safe)
     if not state:
-        return consolidate(path)
+        return consolidate(path, safe)
     if isinstance(state, nn.Module):
         state = {"model": state}
     if isinstance(state, Optimizer):
         raise TypeError("Loading an optimizer alone from a sharded checkpoint is not supported; pass "
                         "state={'model': model, 'optimizer': optimizer}.")
     from torch.distributed import checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
     module = _one_module(state, "load")
     no_dist = strategy.world_size == 1
-    metadata = torch.load(os.path.join(path, METADATA_FILENAME), map_location="cpu", weights_only=weights_only)
+    metadata = safe_loading.torch_load(os.path.join(path, METADATA_FILENAME), "cpu", safe)
     requested = [k for k, v in state.items() if not isinstance(v, (nn.Module, Optimizer))]
     absent = [k for k in requested if k not in metadata]
     if strict and absent:
@@ -294,9 +314,10 @@ def load_sharded(strategy: Any, path: str, state: Any, strict: bool = True,
                 raise ValueError("Loading an optimizer from a sharded checkpoint needs its model in the same state.")
             target[key] = get_optimizer_state_dict(module, obj)
     if strict:
-        _check_keys(path, {key: target[key] for key, obj in state.items() if isinstance(obj, nn.Module)})
-    planner = DefaultLoadPlanner(allow_partial_load=not strict)
-    dcp.load(target, checkpoint_id=path, planner=planner, no_dist=no_dist)
+        _check_keys(path, {key: target[key] for key, obj in state.items() if isinstance(obj, nn.Module)}, not safe)
+    with safe_loading.refusals_named(path):
+        dcp.load(target, checkpoint_id=path, storage_reader=reader(path, not safe),
+                 planner=_planner(safe, allow_partial_load=not strict), no_dist=no_dist)
     for key, obj in state.items():
         if isinstance(obj, nn.Module):
             set_model_state_dict(obj, target[key], options=_options(strict=strict))

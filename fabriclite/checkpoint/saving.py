@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fabriclite import collectives
-from fabriclite.checkpoint import integrity, remote_paths
+from fabriclite.checkpoint import integrity, remote_paths, safe_loading
 from fabriclite.checkpoint.async_save import AsyncCheckpointIO, OnComplete
 from fabriclite.checkpoint.atomic import publish, recover
 from fabriclite.checkpoint.checkpoint_io import TorchCheckpointIO
@@ -151,11 +151,12 @@ def wait_for_saves(strategy: Any) -> None:
 
 def read(path: PathLike, io: Any = None, weights_only: Optional[bool] = None) -> Any:
     """The object stored at ``path``, tensors on the CPU, read by ``io`` (default ``TorchCheckpointIO``).
-    ``weights_only``: None is torch.load's default (True: tensors, containers and primitives only); pass False
-    for a trusted file holding other objects. FileNotFoundError naming the path when it does not exist,
+    ``weights_only``: None is True (tensors, containers and primitives only, and what ``fabriclite.add_safe_globals``
+    allowed), passed to the plugin as True, so ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` does not turn it off; pass
+    False for a trusted file holding other objects. FileNotFoundError naming the path when it does not exist,
     CorruptCheckpointError naming it when it cannot be read."""
     io = io if io is not None else TorchCheckpointIO()
-    return io.load_checkpoint(path, map_location="cpu", weights_only=weights_only)
+    return io.load_checkpoint(path, map_location="cpu", weights_only=safe_loading.resolve_weights_only(weights_only))
 
 
 def load_checkpoint(strategy: Any, path: PathLike, state: Any = None, strict: bool = True,
@@ -168,7 +169,11 @@ def load_checkpoint(strategy: Any, path: PathLike, state: Any = None, strict: bo
     dict); with ``strict`` a key of ``state`` missing from the file is a KeyError and a module's state_dict
     must match exactly. A sharded checkpoint (a directory) loads into a run of any strategy and world size
     (``fabriclite.checkpoint.dcp.load_sharded``). A save that crashed between its renames is recovered first.
+    ``weights_only``: None is True, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says (``read``); on torch < 2.10
+    the first load warns of CVE-2026-24747 (``fabriclite.checkpoint.safe_loading``).
     """
+    weights_only = safe_loading.resolve_weights_only(weights_only)
+    safe_loading.warn_vulnerable_torch()
     path = remote_paths.normalize(path)
     wait_for_saves(strategy)
     if not remote_paths.is_remote(path):

@@ -25,6 +25,9 @@ enters once, and the data passes through each stage once:
     1 flatten, its spec (structure.py, cached) -> 2 plan (plans.py, cached) -> 3 pack (packing.py)
     -> 4 agree, 5 wire (header.py) -> 6 unpack, 7 rebuild (unpacking.py)
 
+Every object another rank sent is loaded by the restricted unpickler of ``object_pickle`` (``add_safe_globals``
+allows more); ``object_wire`` holds the object collectives the strategies build on that unpickler.
+
 Agree is the header exchange, the first collective of every call, which carries small data itself; wire moves
 what did not fit, in one more collective. barrier and rank_zero_first are in sync.py.
 

@@ -20,7 +20,8 @@ own checkpoint code uses) is loaded by ``SafeUnpickler``, which resolves only th
 Never builtin functions (``eval``, ``exec``, ``getattr``, ``__import__``, ``open``, ...) nor anything a user did
 not name. ``add_safe_globals([Config, ...])`` (also ``fabriclite.add_safe_globals``) allows more, in the spirit
 of ``torch.serialization.add_safe_globals``: call it on every rank, before the collective. A refused global
-raises ``pickle.UnpicklingError`` on the receiving rank naming it and that call.
+raises ``pickle.UnpicklingError`` on the receiving rank naming it and that call. What was added is also allowed
+in the checkpoints fabriclite loads with ``weights_only=True`` (``user_safe_globals``, read at each load).
 
 May import: torch (the allow-list's modules, numpy among them, once, when a first pickle is loaded). Imports no
 collectives stage.
@@ -61,8 +62,8 @@ Global = Union[Callable[..., Any], type, Tuple[Any, str]]
 
 
 def add_safe_globals(safe_globals: Iterable[Global]) -> None:
-    """Allow the classes (or functions) in ``safe_globals`` in the objects this rank receives from other ranks.
-    Each item is a class or function (known
+    """Allow the classes (or functions) in ``safe_globals`` in the objects this rank receives from other ranks,
+    and in the checkpoints fabriclite loads with ``weights_only=True``. Each item is a class or function (known
     by its ``__module__`` and ``__qualname__``) or a pair ``(obj, "module.qualified.name")`` for one pickled
     under another name, as ``torch.serialization.add_safe_globals`` takes them. Call it on every rank that
     receives, before the collective (once, e.g. next to the class). Only add what you trust: loading an allowed
