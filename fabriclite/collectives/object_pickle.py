@@ -157,8 +157,20 @@ def _numpy_core() -> Optional[str]:
     return "numpy._core" if int(numpy.__version__.split(".")[0]) >= 2 else "numpy.core"
 
 
+#: modules whose globals a pickle names only to run code (``__reduce__`` payloads): never suggested for allowing
+_CODE_MODULES = frozenset({"builtins", "posix", "nt", "os", "subprocess", "sys", "importlib", "runpy", "shutil",
+                           "socket", "io", "pickle", "marshal", "ctypes", "code", "codecs", "pty", "webbrowser",
+                           "torch.storage", "torch.serialization", "torch._utils"})
+
+
 def refusal(module: str, name: str) -> str:
     """The message of a refused global ``module.name``."""
+    if module in _CODE_MODULES or module.split(".")[0] in _CODE_MODULES:
+        return (f"fabriclite refused to unpickle {module}.{name} received from another rank: a pickle names it to "
+                "run code or read files on the receiver (a __reduce__ payload, or a tensor pickled by torch rather "
+                "than sent as a tensor), and fabriclite never loads it. Send plain values, tensors and the types "
+                "docs/security.md ('Pickles and checkpoints') lists; fabriclite.add_safe_globals allows classes of "
+                "your own.")
     return (f"fabriclite refused to unpickle {module}.{name} received from another rank: it is not among the "
             "types fabriclite loads from other ranks by default (builtin values, tensors, numpy arrays, paths, "
             "datetimes, Namespace, OrderedDict, ...: docs/security.md, 'Pickles and checkpoints'). If you trust "

@@ -156,3 +156,36 @@ def test_the_types_users_broadcast_most_travel_by_default(pool2):
     for gathered in (g0, g1):
         assert [g["path"] for g in gathered] == [pathlib.Path("/data/r0"), pathlib.Path("/data/r1")]
         assert [g["nested_tensor"][0]["rng"].tolist() for g in gathered] == [[0, 1, 2, 3], [1, 2, 3, 4]]
+
+
+JOB = '''
+import torch
+from fabriclite import Fabric
+
+
+class Planted:
+    def __reduce__(self):
+        return (exec, ("open(MARKER, 'w').close()",))
+
+
+fabric = Fabric(accelerator="cpu", devices=2)
+fabric.launch()
+fabric.broadcast(Planted() if fabric.global_rank == 0 else None)
+fabric.barrier()
+print("NOT REACHED on rank", fabric.global_rank)
+'''
+
+
+def test_a_job_whose_rank_receives_a_planted_object_ends_naming_it(tmp_path):
+    """A real 2-rank job (script mode, gloo): rank 1's broadcast raises, the job ends non-zero naming the refused
+    global, and the planted code ran nowhere."""
+    from helpers import REPO, python, write_script
+
+    marker = tmp_path / "marker"
+    script = write_script(tmp_path, JOB.replace("MARKER", repr(str(marker))))
+    done = python(script, env={"PYTHONPATH": str(REPO)}, timeout=180)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "UnpicklingError" in output and "builtins.exec" in output and "fabriclite.add_safe_globals" in output
+    assert "NOT REACHED on rank 1" not in output, output
+    assert not marker.exists(), "the planted object's code ran"
