@@ -91,6 +91,7 @@ bench: venv
 	$(MAKE) --no-print-directory env-ft
 	"$$($(BACKEND_ENV) ft --path)/bin/python" benchmarks/slow_links.py   # root: network namespaces and tc
 	$(PY) benchmarks/slow_links.py --plot docs/slow_links_benchmark.png
+	$(PY) benchmarks/network_faults.py   # root: network namespaces and tc
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

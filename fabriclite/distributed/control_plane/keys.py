@@ -26,9 +26,10 @@ key (under ``fabriclite/``)            written by / read by                 goes
 ``pulse/<node>``                       node N's supervisor, +1 every        with the round's part
                                        ``liveness.PULSE_S`` (its answer
                                        carries the failure flag), +FAILED
-                                       with the failure / node 0's, all at
-                                       once (check + multi_get): a node
-                                       whose count stops moving is lost
+                                       with the failure, +LEFT as it leaves
+                                       / node 0's, all at once (check +
+                                       multi_get): a node whose count stops
+                                       moving before LEFT is lost
 ``host/<node>``                        node N's supervisor at the round's   with the round's part
                                        start / node 0's, when it names a
                                        node that stopped answering
@@ -89,6 +90,8 @@ FAILED = 1 << 40
 
 #: added once to a node's pulse counter by a node that finds its own link slow (its report under ``slow_link``)
 SLOW = 1 << 30
+#: added once to a node's pulse counter by its supervisor as it leaves: its pulse stops, and it is not lost
+LEFT = 1 << 35
 
 
 def slow_link(node: int) -> str:

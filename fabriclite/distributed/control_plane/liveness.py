@@ -87,6 +87,7 @@ class Heartbeats:
         #: nodes whose pulse carries the SLOW mark since the last poll (their report is under keys.slow_link)
         self.newly_slow: List[int] = []
         self._slow: set = set()
+        self._left: set = set()
 
     def poll(self, store: Any) -> Optional[Dict[str, Any]]:
         now = (time.monotonic(), time.time())
@@ -103,10 +104,14 @@ class Heartbeats:
             for node, value in zip(present, store.multi_get([keys.pulse(node) for node in present])):
                 if self._counts.get(node) != value:
                     self._counts[node], self._moved[node] = value, now
-                if node not in self._slow and int(value) % keys.FAILED >= keys.SLOW:
+                marks = int(value) % keys.FAILED
+                if marks >= keys.LEFT:  # it ended: its pulse stopped for good, and that is no loss
+                    self._left.add(node)
+                if node not in self._slow and marks % keys.LEFT >= keys.SLOW:
                     self._slow.add(node)
                     self.newly_slow.append(node)
-        silent = [node for node, (moved, _) in self._moved.items() if now[0] - moved > self.timeout_s]
+        silent = [node for node, (moved, _) in self._moved.items()
+                  if node not in self._left and now[0] - moved > self.timeout_s]
         return self._lost(store, silent) if silent else None
 
     def silent_since(self, node: int) -> float:
@@ -144,29 +149,36 @@ def _host(store: Any, node: int) -> str:
         return "host unknown"
 
 
-def _total(store: Any, num_nodes: int) -> int:
-    """The sum of every node's pulse count (-1 while one has not pulsed yet): it moves while any supervisor lives."""
+def _total(store: Any, num_nodes: int) -> Tuple[int, bool]:
+    """(the sum of every node's pulse count, marks aside: it moves while any supervisor lives; -1 while one has not
+    pulsed yet), and whether a failure is flagged on any of them."""
     names = [keys.pulse(node) for node in range(num_nodes)]
-    return sum(int(value) for value in store.multi_get(names)) if store.check(names) else -1
+    if not store.check(names):
+        return -1, failure_flag.flagged(store.add(keys.pulse(0), 0))
+    values = [int(value) for value in store.multi_get(names)]
+    return sum(v % keys.SLOW for v in values), any(failure_flag.flagged(v) for v in values)
 
 
 def leave(store: Any, node_rank: int, num_nodes: int, failed: bool, signalled: Callable[[], bool]) -> None:
     """Across nodes, node 0 keeps the store (and so the failure record) up until every node has
     ended: after a success for as long as a supervisor that has not ended is alive (the pulse moves
-    at least every HEARTBEAT_TIMEOUT_S), after a failure for at most LINGER_S. Three requests per poll."""
+    at least every HEARTBEAT_TIMEOUT_S), after a failure for at most LINGER_S. Three requests per poll; the other
+    nodes mark their pulse LEFT first, so node 0's watch does not take them for lost."""
     try:
-        ended = store.add(keys.ENDED, 1)
         if node_rank != 0:
+            store.add(keys.pulse(node_rank), keys.LEFT)  # node 0's watch: this node ended, it is not lost
+            store.add(keys.ENDED, 1)
             return
+        ended = store.add(keys.ENDED, 1)
         deadline = time.monotonic() + LINGER_S if failed else None
-        last, moved = _total(store, num_nodes), time.monotonic()
+        last, moved = _total(store, num_nodes)[0], time.monotonic()
         backoff = polling.Backoff(POLL_S, 0.5)
         while ended < num_nodes:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return
-            count = _total(store, num_nodes)
-            if deadline is None and (signalled() or failure_flag.flagged(count)):
+            count, flagged = _total(store, num_nodes)
+            if deadline is None and (signalled() or flagged):
                 deadline = now + LINGER_S
             if count != last:
                 last, moved = count, now

@@ -360,8 +360,11 @@ class Supervisor:
         return ends
 
     def _remote_failed(self) -> bool:
-        """Whether another node published a failure (the cause a lost peer here may be reporting)."""
-        return self.layout.num_nodes > 1 and failure_flag.read_failure(self._store) is not None
+        """Whether another node published a failure (the cause a lost peer here may be reporting); pulses on."""
+        if self.layout.num_nodes == 1:
+            return False
+        self.heartbeat.keep_alive()
+        return failure_flag.read_failure(self._store) is not None
 
     def _fail(self, failures: List[Failure]) -> int:
         remote = failure_flag.read_failure(self._store) if self.layout.num_nodes > 1 else None

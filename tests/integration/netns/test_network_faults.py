@@ -203,6 +203,14 @@ def test_a_gray_link_is_reported_naming_the_node_and_its_rates_and_the_job_goes_
     shaped = time.monotonic()
     shape(links, 1, "50kbit")
     try:
+        _report_then_stop(job, links, shaped)
+    finally:
+        shape(links, 1, None)
+        links.kill_all()  # a job that failed the test does not outlive it (it would run its 100,000 steps)
+
+
+def _report_then_stop(job: Job, links: Cluster, shaped: float) -> None:
+    try:
         line = f"fabriclite: node 1 ({links.host(1)}) has a slow link to the job's store on node 0: its heartbeats take "
         while not all(line in job.err[k].read_text() for k in (0, 1)):
             assert time.monotonic() - shaped < GRAY_BOUND_S, f"no slow-link report within {GRAY_BOUND_S:.0f} s\n" \

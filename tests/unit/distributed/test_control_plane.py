@@ -54,7 +54,7 @@ def test_every_rank_checks_in_and_node_0_leaves_once_the_others_ended():
     left: List[int] = []
     on_nodes(3, lambda n: (liveness.leave(job, n, 3, False, lambda: False), left.append(n)))
     assert sorted(left) == [0, 1, 2] and job.add(keys.ENDED, 0) == 3
-    assert [job.add(keys.pulse(n), 0) for n in range(3)] == [1, 1, 1]
+    assert [job.add(keys.pulse(n), 0) for n in range(3)] == [1, 1 + keys.LEFT, 1 + keys.LEFT]  # 1, 2 marked left
 
 
 def test_straggler_reports_and_collective_progress_round_trip():

@@ -252,6 +252,12 @@ def test_a_gray_link_is_slow_pulses_and_collapsed_steps_together() -> None:
     assert beat._slow()
     beat._rtts[-4:] = [0.05, 0.04, 0.06, 0.05]  # under SLOW_RTT_S: a loaded machine, not a gray link
     assert not beat._slow()
+    beat._rtts[-4:] = [0.3, 0.45, 0.2, 0.5]
+    rates = beat._rates
+    beat._rates = rates[-3:]  # slow round trips, but no earlier rate to compare with yet: wait for one
+    assert not beat._slow()
+    beat._rates = []  # ranks that report no steps at all: the round trips alone decide
+    assert beat._slow()
     record = {"node": 1, "host": "n1", "rtt_median_s": 0.35, "rtt_max_s": 0.6, "steps_per_s": 0.5,
               "steps_per_s_before": 35.0}
     assert heartbeat._slow_line(record) == (
@@ -280,3 +286,24 @@ def test_the_slow_link_policy_is_checked(monkeypatch) -> None:
     assert heartbeat.slow_link_policy() == "report" and heartbeat.slow_link_policy("stop") == "stop"
     with pytest.raises(ValueError, match=r"slow-link policy 'halt' \(FABRICLITE_SLOW_LINK / --slow-link\)"):
         heartbeat.slow_link_policy("halt")
+
+
+def test_a_node_that_ended_is_not_lost() -> None:
+    job = meeting.job_view(HashStore())
+    watch = liveness.Heartbeats(num_nodes=3, ranks_per_node=1, timeout_s=0.2)
+    for node in (1, 2):
+        liveness.pulse(job, node)
+    assert watch.poll(job) is None
+    liveness.leave(job, 2, 3, failed=False, signalled=lambda: False)  # node 2 finished first: its pulse stops
+    deadline = time.monotonic() + 5
+    record = None
+    while record is None and time.monotonic() < deadline:
+        liveness.pulse(job, 1)
+        time.sleep(0.05)
+        record = watch.poll(job)
+        if time.monotonic() > deadline - 4:  # well past the timeout with node 2 quiet: node 1 now goes quiet too
+            break
+    assert record is None  # node 2 left: not lost
+    time.sleep(0.3)
+    record = watch.poll(job)
+    assert record is not None and record["lost"] == [1]
