@@ -110,9 +110,13 @@ class Heartbeats:
                 if node not in self._slow and marks % keys.LEFT >= keys.SLOW:
                     self._slow.add(node)
                     self.newly_slow.append(node)
-        silent = [node for node, (moved, _) in self._moved.items()
-                  if node not in self._left and now[0] - moved > self.timeout_s]
-        return self._lost(store, silent) if silent else None
+        quiet = {node: now[0] - moved for node, (moved, _) in self._moved.items() if node not in self._left}
+        if not any(s > self.timeout_s for s in quiet.values()):
+            return None
+        # with it, every node that went quiet at about the same time (node 0 sees each change at its next poll:
+        # two nodes cut off at once differ by up to a pulse interval, and a poll's)
+        together = max(self.timeout_s / 2, self.timeout_s - 2 * PULSE_S)
+        return self._lost(store, sorted(n for n, s in quiet.items() if s > together))
 
     def silent_since(self, node: int) -> float:
         """The wall time node ``node``'s pulse last moved."""

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from fabriclite.distributed.control_plane.failure_flag import failure_line
+
 
 @dataclass
 class Failure:
@@ -106,7 +108,7 @@ def summarize(failures: Sequence[Failure], remote: Optional[Dict[str, Any]], nod
     lines: List[str] = []
     if remote_is_root(remote, root, node_rank):
         assert remote is not None
-        lines.append(f"fabriclite: the job failed on node {remote['node']}: {remote['message']}")
+        lines.append(f"fabriclite: {failure_line(remote)}")
         others = list(failures)
     else:
         lines.append(f"fabriclite: the job failed: {root.describe().rstrip('.')}.")

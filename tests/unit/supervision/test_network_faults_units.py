@@ -307,3 +307,19 @@ def test_a_node_that_ended_is_not_lost() -> None:
     time.sleep(0.3)
     record = watch.poll(job)
     assert record is not None and record["lost"] == [1]
+
+
+def test_nodes_that_went_quiet_together_are_named_together() -> None:
+    """Two nodes cut off at once: node 0 sees their last pulses up to a pulse interval apart, and names both."""
+    job = meeting.job_view(HashStore())
+    timeout = 2 * liveness.PULSE_S + 0.5
+    watch = liveness.Heartbeats(num_nodes=3, ranks_per_node=1, timeout_s=timeout)
+    liveness.pulse(job, 1)
+    liveness.pulse(job, 2)
+    assert watch.poll(job) is None
+    time.sleep(liveness.PULSE_S)  # node 2's last pulse comes a pulse interval after node 1's
+    liveness.pulse(job, 2)
+    assert watch.poll(job) is None
+    time.sleep(timeout - liveness.PULSE_S + 0.2)
+    record = watch.poll(job)
+    assert record is not None and record["lost"] == [1, 2], record
