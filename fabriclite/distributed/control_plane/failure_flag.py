@@ -33,8 +33,13 @@ def read_failure(store: Any) -> Optional[Dict[str, Any]]:
             return None
         return json.loads(store.get(FAILURE_KEY))
     except RuntimeError as err:
-        return {"node": None, "rank": None, "timestamp": time.time(), "secondary": False,
-                "message": f"the job's rendezvous store is gone (its supervisor ended?): {err}"}
+        return store_gone(err)
+
+
+def store_gone(err: BaseException) -> Dict[str, Any]:
+    """The failure record of a store that answered a request with ``err``: its host, node 0's supervisor, is gone."""
+    return {"node": None, "rank": None, "timestamp": time.time(), "secondary": False,
+            "message": f"the job's rendezvous store is gone (its supervisor ended?): {err}"}
 
 
 def publish_failure(store: Any, record: Dict[str, Any], num_nodes: int = 1) -> None:

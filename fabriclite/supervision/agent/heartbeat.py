@@ -119,16 +119,17 @@ class NodeHeartbeat:
         if outcome is None and self._relayed:
             record = self._relayed.pop(0)
             outcome = Notice(_slow_line(record), record)
-        if time.monotonic() >= self._next:
-            self._next = time.monotonic() + liveness.PULSE_S
-            self._beat = self.store.submit(self._pulse)
+        self._send_if_due()
         return outcome
 
     def keep_alive(self) -> None:
         """Pulse on while the loop waits elsewhere (for a failure's root cause): node 0 must not take this node for
         lost meanwhile. What the pulses answer is left unread: the round is ending."""
-        if self.store is None or (self._beat is not None and not self._beat.done.is_set()):
-            return
+        if self.store is not None and (self._beat is None or self._beat.done.is_set()):
+            self._send_if_due()
+
+    def _send_if_due(self) -> None:
+        """The next pulse, on the store's thread, once PULSE_S has passed since the last one was sent."""
         if time.monotonic() >= self._next:
             self._next = time.monotonic() + liveness.PULSE_S
             self._beat = self.store.submit(self._pulse)
@@ -137,8 +138,7 @@ class NodeHeartbeat:
         try:
             remote = beat.outcome()
         except RuntimeError as err:  # the store answered with an error: its host is gone
-            remote = {"node": None, "rank": None, "timestamp": time.time(), "secondary": False,
-                      "message": f"the job's rendezvous store is gone (its supervisor ended?): {err}"}
+            remote = failure_flag.store_gone(err)
         if remote is not None:
             return self._failed(remote)
         assert beat.started is not None and beat.finished is not None
