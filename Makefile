@@ -53,16 +53,34 @@ test-core: venv
 	} > $(TEST_LOG)/core.summary; \
 	exit $$rc
 
-# the core suite, then the backend lanes, then the engine lanes: each part runs even when an earlier one failed, and
-# `make test` fails if any failed. Its last lines: each part's result and time and the slowest core tests.
+# `make test`: two parts side by side, at most 2 test processes at once (the lanes mostly wait: process start-up,
+# sleeps, timeouts): the core suite, printed live (core.log), and beside it the lanes, one after another (backend
+# lanes, then engine lanes; each lane's output in $(TEST_LOG)/lane-<lane>.log, the whole part's in lanes.log,
+# printed once the core suite has ended, then followed live). What they could share is kept apart: free_port
+# (tests/support/helpers.py) picks from FL_TEST_PORTS, a range of each part's own; the lanes' other ports come from
+# bind(0) (the kernel's ephemeral range, above both); every network namespace, /etc/netns entry and SLURM hosts line
+# is named after the pytest process that made it; each pytest session has its own temporary folder.
+# Each part runs whatever the other's result; `make test` fails if any part failed. Its last lines: each part's
+# result and time, the slowest core tests, each lane's time. (The lanes start with SIGINT and SIGQUIT at their
+# defaults, not ignored as for a background job: their tests send SIGINT to jobs they start.)
+CORE_PORTS := 20000-25999
+LANE_PORTS := 26000-31999
 test: venv
 	@rm -rf $(TEST_LOG); mkdir -p $(TEST_LOG); start=$$(date +%s); failed=""; \
-	for part in test-core test-backends test-engines; do \
-	  $(MAKE) --no-print-directory $$part || failed="$$failed $$part"; \
-	done; \
-	echo; echo "== make test: summary"; \
+	echo "== make test: the core suite (below) beside the lanes (one after another; $(TEST_LOG)/lanes.log, printed when the core suite ends)"; \
+	FL_TEST_PORTS=$(LANE_PORTS) env --default-signal=INT,QUIT sh -c 't0=$$(date +%s); failed=""; \
+	  for part in test-backends test-engines; do $(MAKE) --no-print-directory $$part || failed="$$failed $$part"; done; \
+	  echo "$$(( $$(date +%s) - t0 ))$$failed" > $(TEST_LOG)/lanes.result' > $(TEST_LOG)/lanes.log 2>&1 & lanes=$$!; \
+	FL_TEST_PORTS=$(CORE_PORTS) $(MAKE) --no-print-directory test-core || failed=" test-core"; \
+	core_took=$$(( $$(date +%s) - start )); \
+	echo; echo "== the core suite ended after $$core_took s; the lanes (started beside it) follow: $(TEST_LOG)/lanes.log"; \
+	tail -n +1 --pid=$$lanes -f $(TEST_LOG)/lanes.log; wait $$lanes; \
+	if [ -s $(TEST_LOG)/lanes.result ]; then read -r lanes_took lanes_failed < $(TEST_LOG)/lanes.result; \
+	else lanes_took="?"; lanes_failed="lanes(ended-before-their-result)"; fi; \
+	[ -z "$$lanes_failed" ] || failed="$$failed $$lanes_failed"; \
+	echo; echo "== make test: summary (the core suite beside the lanes: $$core_took s and $$lanes_took s)"; \
 	for part in core backends engines; do \
-	  cat $(TEST_LOG)/$$part.summary 2>/dev/null || echo "== $$part: no summary (it ended before writing one; see above)"; \
+	  cat $(TEST_LOG)/$$part.summary 2>/dev/null || echo "== $$part: no summary (it ended before writing one; see $(TEST_LOG))"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "== make test FAILED ($$(( $$(date +%s) - start )) s):$$failed"; exit 1; fi; \
 	echo "== make test passed ($$(( $$(date +%s) - start )) s)"

@@ -9,7 +9,8 @@
 #                                             other lane print one line saying why it is skipped and how to build it.
 #                                             Either way it ends with a summary: each lane ran (passed / FAILED, its
 #                                             time) or was skipped and why, and "NOT a full run" when any was skipped
-#                                             (also in build/test-log/backends.summary: `make test` prints it again last).
+#                                             (also in build/test-log/backends.summary: `make test` prints it again last;
+#                                             each lane's output also in build/test-log/lane-<lane>.log).
 # A failing lane fails test-backends (after the other lanes have run), and so `make test`.
 
 BACKEND_ENV := bash scripts/backend_env.sh
@@ -58,7 +59,8 @@ test-backends: venv
 	    fi; \
 	  fi; \
 	  start=$$(date +%s); ran=$$((ran + 1)); \
-	  if $(MAKE) --no-print-directory test-$$lane; then result="ran, passed"; \
+	  { $(MAKE) --no-print-directory test-$$lane; echo $$? > $(TEST_LOG)/lane-$$lane.rc; } 2>&1 | tee $(TEST_LOG)/lane-$$lane.log; \
+	  if [ "$$(cat $(TEST_LOG)/lane-$$lane.rc)" = 0 ]; then result="ran, passed"; \
 	  else failed="$$failed test-$$lane"; result="ran, FAILED"; fi; \
 	  took=$$(( $$(date +%s) - start )); \
 	  echo "== $$lane lane took $$took s"; \

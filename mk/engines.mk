@@ -7,7 +7,8 @@
 #   make test-engine-<lane>   run one lane's tests (tests/integration/engines/lane_<lane>)
 #   make test-engines         CI=true: build what is missing and run every lane; otherwise run the lanes whose
 #                             environment is ready and say why each other one is skipped. Ends with a summary
-#                             (also in build/test-log/engines.summary: `make test` prints it again last).
+#                             (also in build/test-log/engines.summary: `make test` prints it again last;
+#                             each lane's output also in build/test-log/lane-<lane>.log).
 #   make bench-engines        each engine's recovery in parts (benchmarks/engines.py -> benchmarks/results/engines.md;
 #                             an engine that cannot run here is skipped with its line; SLURM needs root)
 # Each lane script takes: (no flag) build | --check (exit 0 when ready, 1 when not built, 3 when it cannot run
@@ -52,7 +53,8 @@ test-engines: venv
 	    fi; \
 	  fi; \
 	  start=$$(date +%s); ran=$$((ran + 1)); \
-	  if $(MAKE) --no-print-directory test-engine-$$lane; then result="ran, passed"; \
+	  { $(MAKE) --no-print-directory test-engine-$$lane; echo $$? > $(TEST_LOG)/lane-$$lane.rc; } 2>&1 | tee $(TEST_LOG)/lane-$$lane.log; \
+	  if [ "$$(cat $(TEST_LOG)/lane-$$lane.rc)" = 0 ]; then result="ran, passed"; \
 	  else failed="$$failed test-engine-$$lane"; result="ran, FAILED"; fi; \
 	  took=$$(( $$(date +%s) - start )); \
 	  echo "== $$lane engine lane took $$took s"; \

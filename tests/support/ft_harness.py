@@ -5,7 +5,6 @@ tests and by benchmarks/fault_tolerance.py."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from helpers import REPO, clean_env
+from helpers import REPO, clean_env, free_port  # noqa: F401 (free_port: the lane's tests take it from here)
 
 TRAIN = REPO / "tests" / "integration" / "backends" / "lane_ft" / "ft_train.py"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

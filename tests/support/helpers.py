@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 #: the repository's root (this file is tests/support/helpers.py)
 REPO = Path(__file__).resolve().parents[2]
@@ -21,10 +21,21 @@ CLUSTER_VARS = re.compile(
 )
 
 
+def _port_range(value: Optional[str]) -> Tuple[int, int]:
+    """``LOW-HIGH`` (both included) as the range free_port picks from; the default when not given."""
+    if not value:
+        return (20000, 32000)
+    match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", value)
+    if not match or not 1024 <= int(match.group(1)) < int(match.group(2)) <= 65535:
+        raise ValueError(f"FL_TEST_PORTS={value!r}: give LOW-HIGH, 1024 <= LOW < HIGH <= 65535 (e.g. 20000-25999)")
+    return (int(match.group(1)), int(match.group(2)) + 1)
+
+
 #: where free_port picks: below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 here), so
 #: no process is handed one of these ports by bind(0) or as a connection's source port between the pick and the
-#: job's own bind
-PORT_RANGE = (20000, 32000)
+#: job's own bind. ``FL_TEST_PORTS=LOW-HIGH`` narrows it: `make test` gives the core suite and the lanes, which run
+#: side by side, ranges of their own, so no two tests running at once can pick the same port.
+PORT_RANGE = _port_range(os.environ.get("FL_TEST_PORTS"))
 _given: Set[int] = set()
 
 

@@ -19,18 +19,14 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+from helpers import free_port  # below the ephemeral range, this run's own (FL_TEST_PORTS)
+
 NODES = ("n1", "n2", "n3")
 #: CPUs each node declares (slurmd's config_overrides: more than the machine has, so 3 x 2 tasks and a second
 #: job fit; the jobs are small)
 CPUS_PER_NODE = 8
 HOSTS_FILE = "/etc/hosts"
 SBIN = ("/usr/sbin", "/sbin")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _which(tool: str) -> Optional[str]:
@@ -200,7 +196,7 @@ class SlurmCluster:
         lines = [
             "ClusterName=fabriclite",
             f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
             "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
             "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool/%n",
@@ -217,7 +213,7 @@ class SlurmCluster:
         ]
         os.makedirs(os.path.join(r, "state"), exist_ok=True)
         for node in self.nodes:
-            lines.append(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
+            lines.append(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
                          f"CPUs={CPUS_PER_NODE} State=UNKNOWN")
         lines.append(f"PartitionName=main Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")
         with open(self.conf, "w") as f:
@@ -246,8 +242,12 @@ class SlurmCluster:
 
         kept = [line for line in lines if not drop(line)]
         if len(kept) != len(lines):
-            with open(HOSTS_FILE, "w") as f:  # in place: /etc/hosts may be a bind mount
-                f.writelines(kept)
+            # in place (/etc/hosts may be a bind mount), and never empty on the way: the file is written over, then
+            # cut to length. Our line is appended last, so the kept lines are the file's first bytes and a process
+            # that resolves a name meanwhile (tests run beside this lane) reads a whole hosts file.
+            with open(HOSTS_FILE, "r+") as f:
+                f.write("".join(kept))
+                f.truncate()
 
     def _run(self, args: Sequence[str]) -> None:
         done = subprocess.run(list(args), env=self.env(), capture_output=True, text=True, timeout=60)

@@ -174,7 +174,7 @@ class Cluster:
             ETC.mkdir(parents=True, exist_ok=True)
             (ETC / ETC_MARK).touch()
         d = ETC / ns
-        d.mkdir(exist_ok=True)
+        d.mkdir(parents=True, exist_ok=True)  # /etc/netns again if another run's cluster removed it meanwhile
         nodes = "".join(f"{self.addr(k)} {self.host(k)}\n" for k in range(self.num_nodes))
         (d / "hosts").write_text(f"{HOSTS_TAG}\n127.0.0.1 localhost\n::1 localhost ip6-localhost\n{nodes}")
         (d / "resolv.conf").write_text("")  # no nameserver: lookups of unknown names fail fast
