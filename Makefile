@@ -32,53 +32,72 @@ demo: venv
 include mk/backends.mk
 include mk/engines.mk
 
-# `make test`'s record: the core suite's output (core.log) and each part's summary (core / backends / engines
-# .summary), printed again as the last lines of `make test`: the parts' times and the slowest core tests.
+# `make test`'s record, in $(TEST_LOG): each pytest run's output (<part>.log) and summary (<part>.summary), printed
+# again as the last lines of `make test`: each part's result and time, the slowest core tests, each lane's time.
 TEST_LOG := build/test-log
 CORE_DURATIONS := 15
 CORE_TESTS ?= tests
+#: test-core's log and summary names ($(TEST_LOG)/$(CORE_PART).log, .summary, .slowest) and its summary's label
+CORE_PART ?= core
+CORE_LABEL ?= core suite
+STRIP_COLOR := sed 's/\x1b\[[0-9;]*m//g'
 
-# the core suite, its CORE_DURATIONS slowest tests (pytest's --durations) and its time in $(TEST_LOG)/core.summary
+# the core suite (CORE_TESTS), its CORE_DURATIONS slowest tests (pytest's --durations) and its time in
+# $(TEST_LOG)/$(CORE_PART).summary (the slowest alone also in .slowest)
 test-core: venv
-	@mkdir -p $(TEST_LOG); start=$$(date +%s); color=auto; [ -t 1 ] && color=yes; \
+	@mkdir -p $(TEST_LOG); start=$$(date +%s); color=auto; [ -t 1 ] && color=yes; log=$(TEST_LOG)/$(CORE_PART); \
 	echo "$(PY) -m pytest -q --durations=$(CORE_DURATIONS) $(CORE_TESTS)"; \
-	{ $(PY) -u -m pytest -q --color=$$color --durations=$(CORE_DURATIONS) $(CORE_TESTS); echo $$? > $(TEST_LOG)/core.rc; } 2>&1 \
-	  | tee $(TEST_LOG)/core.log; \
-	rc=$$(cat $(TEST_LOG)/core.rc 2>/dev/null || echo 1); took=$$(( $$(date +%s) - start )); \
-	counts=$$(sed 's/\x1b\[[0-9;]*m//g' $(TEST_LOG)/core.log | grep -E '^[0-9]+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed)|^no tests ran' | tail -1); \
+	{ $(PY) -u -m pytest -q --color=$$color --durations=$(CORE_DURATIONS) $(CORE_TESTS); echo $$? > $$log.rc; } 2>&1 \
+	  | tee $$log.log; \
+	rc=$$(cat $$log.rc 2>/dev/null || echo 1); took=$$(( $$(date +%s) - start )); \
+	counts=$$($(STRIP_COLOR) $$log.log | grep -E '^[0-9]+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed)|^no tests ran' | tail -1); \
 	if [ "$$rc" = 0 ]; then result=passed; else result="FAILED (pytest exit $$rc)"; fi; \
-	{ echo "== core suite: $$result in $$took s: $${counts:-no count line (see $(TEST_LOG)/core.log)}"; \
-	  echo "== the $(CORE_DURATIONS) slowest core tests:"; \
-	  sed 's/\x1b\[[0-9;]*m//g' $(TEST_LOG)/core.log | awk '/slowest [0-9]+ durations/ {on = 1; next} on && /^[0-9.]+s (setup|call|teardown) / {print "==   " $$0; next} on {on = 0}'; \
-	} > $(TEST_LOG)/core.summary; \
+	$(STRIP_COLOR) $$log.log | awk '/slowest [0-9]+ durations/ {on = 1; next} on && /^[0-9.]+s (setup|call|teardown) / {print "==   " $$0; next} on {on = 0}' > $$log.slowest; \
+	{ echo "== $(CORE_LABEL): $$result in $$took s: $${counts:-no count line (see $$log.log)}"; \
+	  echo "== the $(CORE_DURATIONS) slowest core tests:"; cat $$log.slowest; } > $$log.summary; \
 	exit $$rc
 
-# `make test`: two parts side by side, at most 2 test processes at once (the lanes mostly wait: process start-up,
-# sleeps, timeouts): the core suite, printed live (core.log), and beside it the lanes, one after another (backend
-# lanes, then engine lanes; each lane's output in $(TEST_LOG)/lane-<lane>.log, the whole part's in lanes.log,
-# printed once the core suite has ended, then followed live). What they could share is kept apart: free_port
-# (tests/support/helpers.py) picks from FL_TEST_PORTS, a range of each part's own; the lanes' other ports come from
-# bind(0) (the kernel's ephemeral range, above both); every network namespace, /etc/netns entry and SLURM hosts line
-# is named after the pytest process that made it; each pytest session has its own temporary folder.
-# Each part runs whatever the other's result; `make test` fails if any part failed. Its last lines: each part's
-# result and time, the slowest core tests, each lane's time. (The lanes start with SIGINT and SIGQUIT at their
-# defaults, not ignored as for a background job: their tests send SIGINT to jobs they start.)
+# `make test`: two test processes at once, at most (the lanes mostly wait: process start-up, sleeps, timeouts):
+# - the first: the core suite's integration tests, printed live ($(TEST_LOG)/core-integration.log);
+# - the second, beside it: the lanes, one after another (backend lanes, then engine lanes: BACKEND_LANES and
+#   ENGINE_LANES, each lane's output in $(TEST_LOG)/lane-<lane>.log), then the core suite's unit tests
+#   (core-unit.log), which balance the two. Its output ($(TEST_LOG)/second.log) is printed once the first has
+#   ended, then followed live.
+# What the two could share is kept apart: free_port (tests/support/helpers.py) picks from FL_TEST_PORTS, a range of
+# each process's own; the lanes' other ports come from bind(0) (the kernel's ephemeral range, above both); every
+# network namespace, /etc/netns entry and SLURM hosts line is named after the pytest process that made it; each
+# pytest session has its own temporary folder. (The second starts with SIGINT and SIGQUIT at their defaults, not
+# ignored as for a background job: its tests send SIGINT to the jobs they start.)
+# Each part runs whatever another's result; `make test` fails if any part failed. Its last lines: each part's
+# result and time, the 15 slowest core tests of both, each lane's time.
 CORE_PORTS := 20000-25999
-LANE_PORTS := 26000-31999
+SECOND_PORTS := 26000-31999
+CORE_FIRST_TESTS ?= tests --ignore=tests/unit
+CORE_SECOND_TESTS ?= tests/unit
 test: venv
 	@rm -rf $(TEST_LOG); mkdir -p $(TEST_LOG); start=$$(date +%s); failed=""; \
-	echo "== make test: the core suite (below) beside the lanes (one after another; $(TEST_LOG)/lanes.log, printed when the core suite ends)"; \
-	FL_TEST_PORTS=$(LANE_PORTS) env --default-signal=INT,QUIT sh -c 't0=$$(date +%s); failed=""; \
+	echo "== make test: the core suite's integration tests (below) beside the lanes, then the unit tests (their output: $(TEST_LOG)/second.log, printed after)"; \
+	FL_TEST_PORTS=$(SECOND_PORTS) env --default-signal=INT,QUIT sh -c 't0=$$(date +%s); failed=""; \
 	  for part in test-backends test-engines; do $(MAKE) --no-print-directory $$part || failed="$$failed $$part"; done; \
-	  echo "$$(( $$(date +%s) - t0 ))$$failed" > $(TEST_LOG)/lanes.result' > $(TEST_LOG)/lanes.log 2>&1 & lanes=$$!; \
-	FL_TEST_PORTS=$(CORE_PORTS) $(MAKE) --no-print-directory test-core || failed=" test-core"; \
-	core_took=$$(( $$(date +%s) - start )); \
-	echo; echo "== the core suite ended after $$core_took s; the lanes (started beside it) follow: $(TEST_LOG)/lanes.log"; \
-	tail -n +1 --pid=$$lanes -f $(TEST_LOG)/lanes.log; wait $$lanes; \
-	if [ -s $(TEST_LOG)/lanes.result ]; then read -r lanes_took lanes_failed < $(TEST_LOG)/lanes.result; \
-	else lanes_took="?"; lanes_failed="lanes(ended-before-their-result)"; fi; \
-	[ -z "$$lanes_failed" ] || failed="$$failed $$lanes_failed"; \
-	echo; echo "== make test: summary (the core suite beside the lanes: $$core_took s and $$lanes_took s)"; \
+	  $(MAKE) --no-print-directory test-core CORE_TESTS="$(CORE_SECOND_TESTS)" CORE_PART=core-unit \
+	    CORE_LABEL="core suite, unit tests (after the lanes)" || failed="$$failed test-core(unit)"; \
+	  echo "$$(( $$(date +%s) - t0 ))$$failed" > $(TEST_LOG)/second.result' > $(TEST_LOG)/second.log 2>&1 & second=$$!; \
+	FL_TEST_PORTS=$(CORE_PORTS) $(MAKE) --no-print-directory test-core CORE_TESTS="$(CORE_FIRST_TESTS)" \
+	  CORE_PART=core-integration CORE_LABEL="core suite, integration tests (beside the lanes)" \
+	  || failed=" test-core(integration)"; \
+	first_took=$$(( $$(date +%s) - start )); \
+	echo; echo "== the integration tests ended after $$first_took s; the lanes and the unit tests (started beside them) follow: $(TEST_LOG)/second.log"; \
+	tail -n +1 --pid=$$second -f $(TEST_LOG)/second.log; wait $$second; \
+	if [ -s $(TEST_LOG)/second.result ]; then read -r second_took second_failed < $(TEST_LOG)/second.result; \
+	else second_took="?"; second_failed="lanes-and-unit-tests(ended-before-their-result)"; fi; \
+	[ -z "$$second_failed" ] || failed="$$failed $$second_failed"; \
+	{ for part in core-integration core-unit; do \
+	    head -1 $(TEST_LOG)/$$part.summary 2>/dev/null || echo "== $$part: no summary (it ended before writing one; see $(TEST_LOG))"; \
+	  done; \
+	  echo "== the $(CORE_DURATIONS) slowest core tests:"; \
+	  cat $(TEST_LOG)/core-integration.slowest $(TEST_LOG)/core-unit.slowest 2>/dev/null | sort -k2,2gr | head -$(CORE_DURATIONS); \
+	} > $(TEST_LOG)/core.summary; \
+	echo; echo "== make test: summary (two processes side by side: the integration tests $$first_took s; the lanes, then the unit tests $$second_took s)"; \
 	for part in core backends engines; do \
 	  cat $(TEST_LOG)/$$part.summary 2>/dev/null || echo "== $$part: no summary (it ended before writing one; see $(TEST_LOG))"; \
 	done; \
