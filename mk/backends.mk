@@ -1,9 +1,10 @@
 # Backend lanes: Horovod (own venv, torch 2.13.0 + horovod 0.28.1 built from source), XLA (own venv, torch 2.9.1 +
 # torch_xla 2.9.0, PJRT_DEVICE=CPU), MPI (Debian OpenMPI + the main .venv) and ft (own venv, torch 2.13.0 +
-# torchft 0.2.0: `fabriclite run --fault-tolerant`). Included by the main Makefile.
+# torchft 0.2.0: `fabriclite run --fault-tolerant`) and data (own venv, torch 2.13.0 + litdata 0.2.76,
+# mosaicml-streaming 0.13.0, webdataset 1.0.2). Included by the main Makefile.
 #
-#   make env-horovod | env-xla | env-mpi | env-ft   build one lane's environment (cached under $(FABRICLITE_CACHE))
-#   make test-horovod | test-xla | test-mpi | test-ft   run one lane (its environment must exist)
+#   make env-horovod | env-xla | env-mpi | env-ft | env-data   build one lane's environment (cached under $(FABRICLITE_CACHE))
+#   make test-horovod | test-xla | test-mpi | test-ft | test-data   run one lane (its environment must exist)
 #   make test-backends                        CI=true: build what is missing and run every lane;
 #                                             otherwise: run the lanes whose environment is cached, and for each
 #                                             other lane print one line saying why it is skipped and how to build it.
@@ -14,14 +15,14 @@
 # A failing lane fails test-backends (after the other lanes have run), and so `make test`.
 
 BACKEND_ENV := bash scripts/backend_env.sh
-BACKEND_LANES := horovod xla mpi ft
+BACKEND_LANES := horovod xla mpi ft data
 export FABRICLITE_CACHE ?= $(HOME)/.cache/fabriclite
 # Lane tests run this checkout's code whatever checkout the cached venv was installed from.
 LANE_PYTEST = PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} FABRICLITE_LANE=$(1) $(2) -m pytest -q -p no:cacheprovider tests/integration/backends/lane_$(1)
 
-.PHONY: env-horovod env-xla env-mpi env-ft test-horovod test-xla test-mpi test-ft test-backends
+.PHONY: env-horovod env-xla env-mpi env-ft env-data test-horovod test-xla test-mpi test-ft test-data test-backends
 
-env-horovod env-xla env-mpi env-ft:
+env-horovod env-xla env-mpi env-ft env-data:
 	$(BACKEND_ENV) $(@:env-%=%)
 
 test-horovod:
@@ -35,6 +36,10 @@ test-xla:
 test-ft:
 	@$(BACKEND_ENV) ft --check || { echo "ft lane: environment missing; run 'make env-ft'"; exit 1; }
 	$(call LANE_PYTEST,ft,"$$($(BACKEND_ENV) ft --path)/bin/python")
+
+test-data:
+	@$(BACKEND_ENV) data --check || { echo "data lane: environment missing; run 'make env-data'"; exit 1; }
+	$(call LANE_PYTEST,data,"$$($(BACKEND_ENV) data --path)/bin/python")
 
 test-mpi: venv
 	@$(BACKEND_ENV) mpi --check || { echo "mpi lane: OpenMPI missing; run 'make env-mpi'"; exit 1; }

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Build (or check) the environment of one backend lane, cached outside the clone and keyed by versions.
 #
-#   scripts/backend_env.sh horovod|xla|mpi|ft           build the environment if it is not cached yet
-#   scripts/backend_env.sh horovod|xla|mpi|ft --check   exit 0 if it is ready, 1 if not (quick, no network)
-#   scripts/backend_env.sh horovod|xla|mpi|ft --why     print why it is not ready (one line; empty when it is)
-#   scripts/backend_env.sh horovod|xla|ft --path        print the environment's folder (whether built or not)
+#   scripts/backend_env.sh horovod|xla|mpi|ft|data      build the environment if it is not cached yet
+#   scripts/backend_env.sh horovod|xla|mpi|ft|data --check   exit 0 if it is ready, 1 if not (quick, no network)
+#   scripts/backend_env.sh horovod|xla|mpi|ft|data --why     print why it is not ready (one line; empty when it is)
+#   scripts/backend_env.sh horovod|xla|ft|data --path        print the environment's folder (whether built or not)
 #
 # Environments live under ${FABRICLITE_CACHE:-$HOME/.cache/fabriclite}/envs/<name>-<versions>; a venv is ready
 # once its .ready stamp exists, so an interrupted build is redone, never half-used. The horovod wheel (the slow
 # part, ~4 min) is cached under .../wheels/ so a rebuilt venv takes seconds. mpi is Debian's OpenMPI, used with
 # the main .venv (gloo does the collectives). ft is torch 2.13.0 CPU + torchft 0.2.0 with its pinned
-# requirements (scripts/ft-requirements.txt). Each venv also gets this checkout installed editable; the lane
+# requirements (scripts/ft-requirements.txt). data is torch 2.13.0 CPU + litdata 0.2.76, mosaicml-streaming 0.13.0
+# and webdataset 1.0.2 with pinned requirements installed --no-deps (scripts/data-requirements.txt). Each venv also gets this checkout installed editable; the lane
 # targets put the checkout first on PYTHONPATH anyway, so any clone runs its own code.
 set -euo pipefail
 
@@ -24,9 +25,10 @@ XLA_VERSION=2.9.0
 XLA_TORCH=2.9.1
 FT_VERSION=0.2.0
 FT_TORCH=2.13.0
+DATA_TORCH=2.13.0
 PYTAG=$("$PYTHON" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
 
-usage() { echo "usage: $0 {horovod|xla|mpi|ft} [--check|--why|--path]" >&2; exit 2; }
+usage() { echo "usage: $0 {horovod|xla|mpi|ft|data} [--check|--why|--path]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 LANE=$1; MODE=${2:-build}
 
@@ -36,6 +38,7 @@ case $LANE in
   mpi)     ENV="" ;;
   # keyed by the pinned requirements too: a changed pin builds a new venv
   ft)      ENV="$CACHE/envs/ft-$FT_VERSION-torch$FT_TORCH-$PYTAG-$(cksum < "$REPO/scripts/ft-requirements.txt" | cut -d' ' -f1)" ;;
+  data)    ENV="$CACHE/envs/data-torch$DATA_TORCH-$PYTAG-$(cksum < "$REPO/scripts/data-requirements.txt" | cut -d' ' -f1)" ;;
   *) usage ;;
 esac
 
@@ -142,6 +145,21 @@ case $LANE in
     "$ENV/bin/python" -m pip install -q "torch==$FT_TORCH" -r "$REPO/scripts/ft-requirements.txt" numpy \
       lightning-utilities pytest hypothesis pytest-timeout
     "$ENV/bin/python" -c 'import torchft, torchft.coordination; print("torchft", torchft.__file__)' >&2
+    finish
+    ;;
+  data)
+    new_venv
+    # torch 2.13.0 CPU from the local wheel folder (pip's find-links) with its own requirements; then every other
+    # package pinned and --no-deps, so that no resolver brings a CUDA torch (torchvision) or a second numpy.
+    "$ENV/bin/python" -m pip install -q "torch==$DATA_TORCH"
+    "$ENV/bin/python" -m pip install -q --no-deps -r "$REPO/scripts/data-requirements.txt"
+    # PyPI's torchvision is a CUDA build: its C++ ops do not load next to a CPU torch, and 0.28.0 then fails at import
+    # registering fakes for the missing nms ops. Streaming imports torchvision (its vision datasets), never runs it:
+    # register those fakes only when the ops loaded, as torchvision does for its other ops.
+    meta=$("$ENV/bin/python" -c 'import importlib.util as u; print(u.find_spec("torchvision").submodule_search_locations[0])')/_meta_registrations.py
+    sed -i -E 's/^@torch\.library\.register_fake\(("torchvision::q?nms")\)$/@(torch.library.register_fake(\1) if torchvision.extension._has_ops() else (lambda fn: fn))/' "$meta"
+    grep -q 'if torchvision.extension._has_ops() else' "$meta" || { log "torchvision nms patch did not apply"; exit 1; }
+    "$ENV/bin/python" -c 'import torch, litdata, streaming, webdataset; assert "+cpu" in torch.__version__, torch.__version__; print("litdata", litdata.__version__, "streaming", streaming.__version__, "webdataset", webdataset.__version__)' >&2
     finish
     ;;
   mpi)

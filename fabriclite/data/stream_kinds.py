@@ -13,6 +13,9 @@ stream has no order fabriclite can deal; its position is one of (``stream_kind``
   ranks x workers shards, no shuffle buffer: fabriclite deals its shards itself and records where each shard stands
   (``fabriclite.data.hf_shards``), so the rest of the epoch can be dealt again over any number of ranks and
   workers.
+- ``"litdata"`` / ``"streaming"``: a litdata or MosaicML Streaming dataset, which keeps its own position and
+  shards by rank and worker itself in an order that does not depend on the world size: its own state is saved and
+  handed back (``fabriclite.data.library_streams``), at any world size and number of workers.
 - ``"stateless"``: any other stream (a Hugging Face stream with a shuffle buffer too: its own state loses the
   buffer's contents). At the same sizes its first batches are produced again and discarded (replay,
   with a warning naming how many); at other sizes its position means nothing.
@@ -27,6 +30,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from torch.utils.data import DataLoader, IterableDataset
+
+from fabriclite.data import library_streams
 
 #: the datasets versions whose private ``IterableDataset._distributed`` (``split_dataset_by_node``'s record) and shard
 #: layout fabriclite's shard dealing reads; another version's streams are resumed as ``"stateful"`` ones
@@ -100,6 +105,9 @@ def stream_kind(loader: DataLoader, world_size: int) -> Optional[str]:
     dataset = loader.dataset
     if not isinstance(dataset, IterableDataset):
         return None
+    library = library_streams.library_of(loader)
+    if library is not None:
+        return library
     if is_hf_iterable(dataset):
         if shards_refusal(dataset, world_size, loader.num_workers) is None:
             return "shards"
@@ -110,6 +118,8 @@ def stream_kind(loader: DataLoader, world_size: int) -> Optional[str]:
 
 def describe(kind: str) -> str:
     """The loader kind in words, for messages."""
+    if kind in library_streams.LIBRARIES:
+        return library_streams.describe(kind)
     return {"shards": "Hugging Face IterableDataset dealt by shards",
             "stateful": "IterableDataset with its own state_dict (sharded by rank and worker by the dataset itself)",
             "stateless": "IterableDataset without state_dict / load_state_dict"}.get(kind, kind)
@@ -140,7 +150,8 @@ def plan(state: Mapping[str, Any], kind: Optional[str], world_size: int, num_wor
     """How a stream position ``state`` (inside an epoch, written by this fabriclite: it has ``"stream"``) resumes in a
     loader of ``kind`` at ``world_size`` x ``num_workers``: ``"restart"`` (the opt-out: the epoch's stream starts
     over), ``"states"`` (each worker loads its own state), ``"replay"`` (the first batches are produced again),
-    ``"deal"`` (the shards' rest is dealt over this run's ranks and workers). StreamPositionError when it cannot;
+    ``"deal"`` (the shards' rest is dealt over this run's ranks and workers), ``"library"`` (litdata or Streaming
+    loads its own state). StreamPositionError when it cannot;
     ``refusal``: why this run cannot deal a Hugging Face stream's shards (``shards_refusal``), for the message."""
     if ignore:
         return "restart"
@@ -153,6 +164,8 @@ def plan(state: Mapping[str, Any], kind: Optional[str], world_size: int, num_wor
                      + (f"; fabriclite cannot deal its shards here: {refusal}" if refusal else ""))
     if kind == "shards":
         return "states" if same else "deal"
+    if kind in library_streams.LIBRARIES:
+        return "library"  # the library resumes its own position, at any world size and number of workers
     if same:
         return "states" if kind == "stateful" else "replay"
     moved = "world size" if int(state["world_size"]) != world_size else "number of workers"

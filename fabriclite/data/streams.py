@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from fabriclite.data import elastic_dealing, epoch_position, hf_shards, stream_kinds, worker_snapshots
+from fabriclite.data import elastic_dealing, epoch_position, hf_shards, library_streams, stream_kinds, worker_snapshots
 
 _END = object()
 
@@ -40,6 +40,9 @@ class Streams:
         self.kind = stream_kinds.stream_kind(loader, self.world_size) if plain else None
         if self.torchdata and self.kind == "shards":
             self.kind = "stateful"  # torchdata runs the stream with its own states: fabriclite deals no shards
+        # litdata / Streaming: the library keeps its own position (library_streams); the loader runs unwrapped
+        self.library = library_streams.LibraryStream(self.kind, loader, self.rank, self.world_size) \
+            if self.kind in library_streams.LIBRARIES else None
         self.ignore = False
         self._tagged: Optional[DataLoader] = None  # the plain epochs' tagged loader (its persistent workers)
         self._pending: Optional[Dict[str, Any]] = None  # how the next epoch resumes
@@ -63,6 +66,9 @@ class Streams:
                 state["hf_refusal"] = stream_kinds.shards_refusal(self.loader.dataset, self.world_size,
                                                                   self.num_workers)
         if not running or int(state.get("batch", 0)) == 0:
+            return state
+        if self.library is not None:
+            state["library"] = self.library.state(int(state["batch"]))  # the same on every rank: no gather
             return state
         if self.torchdata:
             state["torchdata"] = self._gather(self.loader.state_dict())  # type: ignore[attr-defined]
@@ -95,6 +101,21 @@ class Streams:
             return 0
         if how == "replay":
             return batch
+        if how == "library":
+            self._pending = {"how": "library", "state": state["library"], "batch": batch}
+            saved = (int(state["world_size"]), int(state.get("num_workers", 0)))
+            if saved != (self.world_size, self.num_workers):
+                assert self.library is not None
+                why = self.library.refusal(state["library"], self.num_workers)
+                if why is not None:
+                    self._pending = None
+                    raise stream_kinds.refuse(state, self.world_size, self.num_workers, why)
+                elastic_dealing.note(
+                    f"the stream's position was saved by {stream_kinds.sizes(*saved)} and this run has "
+                    f"{stream_kinds.sizes(self.world_size, self.num_workers)}: epoch {epoch} continues from "
+                    f"{library_streams.LIBRARIES[self.kind][0]}'s own state (its elastic resume), which deals the "
+                    "epoch's rest over this run's ranks and workers.", self.rank == 0)
+            return 0
         if "torchdata" in state:
             self._pending = {"how": "torchdata", "state": state["torchdata"][self.rank], "batch": batch}
             return 0
@@ -131,6 +152,16 @@ class Streams:
             pending, self._pending = self._pending, None
             return pending["state"]
         return None
+
+    def start_library(self, epoch: int) -> None:
+        """Before ``epoch``'s first batch, for a litdata / Streaming loader: the library starts that epoch, from the
+        pending position if one was loaded."""
+        if self.library is None:
+            return
+        pending, batches = None, 0
+        if self._pending is not None and self._pending["how"] == "library":
+            pending, batches, self._pending = self._pending["state"], int(self._pending["batch"]), None
+        self.library.start(epoch, pending, batches)
 
     def resumed_batches(self) -> int:
         """The batches already consumed in the epoch the next ``iter()`` resumes (0 for a plain epoch)."""

@@ -264,6 +264,7 @@ class FabricDataLoader:
         self._running, self._running_length = dealing, _length(loader)
         self._consumed = skip or self._streams.resumed_batches()
         to_device, device = self._strategy.batch_to_device, self._device
+        self._streams.start_library(epoch)  # litdata / Streaming: the library's own epoch and position
         torchdata_state = self._streams.pending_torchdata()
         if torchdata_state is not None:
             self._dataloader.load_state_dict(torchdata_state)  # type: ignore[attr-defined]

@@ -99,15 +99,21 @@ class Range(Dataset):
 
 
 def make_loader(kind: str, length: int, batch: int, workers: int, rank: int, world: int,
-                persistent: bool = False, shards: int = 8) -> DataLoader:
+                persistent: bool = False, shards: int = 8, data_dir: Optional[str] = None) -> DataLoader:
     """The DataLoader of one kind: ``map``, ``stateful``, ``stateless``, ``hf``, ``hf-shuffled``, ``hf-own``
-    (a Hugging Face stream sharded by the user with ``.shard``), ``torchdata``."""
+    (a Hugging Face stream sharded by the user with ``.shard``), ``torchdata``; or a streaming library's
+    (``library_data.KINDS``, over the datasets written under ``data_dir``)."""
     options: Dict[str, Any] = {"batch_size": batch, "num_workers": workers,
                                "persistent_workers": persistent and workers > 0}
     if workers:
         options["multiprocessing_context"] = "fork"  # pool ranks are spawned: spawned workers would import for seconds
     if kind == "map":
         return DataLoader(Range(length), shuffle=True, **options)
+    from library_data import KINDS, library_loader
+
+    if kind in KINDS:
+        assert data_dir is not None, "a library's loader reads the datasets written under data_dir"
+        return library_loader(kind, data_dir, batch, workers, options)
     if kind == "torchdata":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -140,7 +146,13 @@ def train(fabric: Any, kind: str, directory: str, attempt: str, length: int, bat
     "error", "epoch_batches"}`` (the error's text when loading raised)."""
     allow_workers()
     rank, world = fabric.global_rank, fabric.world_size
-    loader = fabric.setup_dataloaders(make_loader(kind, length, batch, workers, rank, world, persistent, shards))
+    if kind in ("litdata", "litdata-shuffled", "streaming", "streaming-shuffled", "wds"):
+        # what fabriclite's launchers set for each rank (the pool's ranks join as a launcher's children would):
+        # Streaming and webdataset read them
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(fabric.local_rank),
+                          LOCAL_WORLD_SIZE=str(world))
+    loader = fabric.setup_dataloaders(make_loader(kind, length, batch, workers, rank, world, persistent, shards,
+                                                  os.path.join(directory, os.pardir, "data")))
     if ignore:
         loader.ignore_stream_position()
     state: Dict[str, Any] = {"loader": loader, "step": 0}
