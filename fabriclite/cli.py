@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
                           "(--max-restarts) and heals from a live peer while the others keep training")
     run.add_argument("--min-replicas", "--min_replicas", type=int, default=None,
                      help="with --fault-tolerant: replica groups needed to commit a step (default 1)")
+    run.add_argument("--first-quorum-timeout", "--first_quorum_timeout", type=float, default=None,
+                     help="with --fault-tolerant: seconds the job's first quorum waits for every node's replica "
+                          "group (--num-nodes) before failing with the missing ones named (default 300)")
     run.add_argument("--lighthouse", default=None,
                      help="with --fault-tolerant: HOST:PORT of a running torchft lighthouse (default: node 0's "
                           "supervisor starts one at --main-address:--main-port)")
@@ -170,9 +173,10 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
                          f"expected 0..{num_nodes - 1}.")
     if not os.path.isfile(args.script):
         raise UsageError(f"script {args.script!r} not found; pass the path of a Python script.")
-    if not args.fault_tolerant and (args.min_replicas is not None or args.lighthouse is not None):
-        raise UsageError(f"--{'min-replicas' if args.min_replicas is not None else 'lighthouse'} needs "
-                         "--fault-tolerant.")
+    if not args.fault_tolerant:
+        for flag in ("min_replicas", "lighthouse", "first_quorum_timeout"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} needs --fault-tolerant.")
     args.strategy_env = diloco_settings.cli_env(args)  # --strategy diloco|local_sgd and their settings
     if args.heartbeat_timeout is not None:  # this supervisor's (control_plane/liveness.py); ValueError names it
         os.environ[LOSS_ENV] = str(loss_timeout(resolve_timeout(args.timeout).total_seconds(), args.heartbeat_timeout))
@@ -209,7 +213,8 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
     import importlib.util
 
     from fabriclite.connector import CLI_ENV, CLI_USED_ENV, Connector
-    from fabriclite.supervision.lighthouse import FT_EXTRA, LiveOptions, advertised_address, parse_address
+    from fabriclite.supervision.lighthouse import (FIRST_QUORUM_TIMEOUT_S, FT_EXTRA, LiveOptions,
+                                                   advertised_address, parse_address)
 
     if importlib.util.find_spec("torchft") is None:
         raise UsageError(f"--fault-tolerant needs torchft, which is not installed: {FT_EXTRA}.")
@@ -226,6 +231,11 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
     if not 1 <= min_replicas <= num_nodes:
         raise UsageError(f"--min-replicas {min_replicas} is out of range for --num-nodes {num_nodes}; expected "
                          f"1..{num_nodes}.")
+    first_quorum_timeout = FIRST_QUORUM_TIMEOUT_S if args.first_quorum_timeout is None else args.first_quorum_timeout
+    if not first_quorum_timeout > 0:
+        raise UsageError(f"--first-quorum-timeout {args.first_quorum_timeout:g}: expected seconds > 0 (how long the "
+                         f"job's first quorum waits for all {num_nodes} nodes' replica groups; default "
+                         f"{FIRST_QUORUM_TIMEOUT_S:g}).")
     main_address = args.main_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     main_port = args.main_port if args.main_port is not None else (_env_int("MASTER_PORT") or 29500)
     if args.lighthouse is not None:
@@ -234,7 +244,8 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
         host, port = main_address, main_port
     address = advertised_address(host)
     live = LiveOptions(f"{host}:{port}", node_rank, num_nodes, min_replicas, address,
-                       host_lighthouse=node_rank == 0 and args.lighthouse is None)
+                       host_lighthouse=node_rank == 0 and args.lighthouse is None,
+                       first_quorum_timeout=first_quorum_timeout)
     strategy = args.strategy if args.strategy in FAULT_TOLERANT else "fault_tolerant"
     os.environ.update(args.strategy_env)  # also this supervisor's: node 0's lighthouse reads its join timeout
     extra_env = {CLI_ENV["strategy"]: strategy, CLI_ENV["devices"]: "1", CLI_USED_ENV: "1", **live.to_env(),

@@ -9,6 +9,10 @@ torchft's lighthouse in its own process.
   through its ranks' failures and restarts until every other group has finished or given up (no group has
   heartbeated for ``LINGER_S``). ``--lighthouse HOST:PORT`` names an external one instead; node 0 then starts
   none.
+- A job starts together: its first quorum (no group has committed a step yet) must hold every group started with
+  it (``--num-nodes``); a rank whose first quorum lacks some groups asks again, within ``--first-quorum-timeout``
+  (:data:`FIRST_QUORUM_TIMEOUT_S` by default), and then fails naming the groups that never joined
+  (fabriclite.strategies.torchft.replica_strategy). torchft's minimum (``--min-replicas``) applies after that.
 - The lighthouse's timeouts (``JOIN_TIMEOUT_MS``, ``HEARTBEAT_TIMEOUT_MS``) drop a lost group from the quorum
   within about a second instead of torchft's one-minute join default. It listens on the main address alone
   (``bind_address``), not on every interface as torchft's own command line suggests.
@@ -39,9 +43,12 @@ QUORUM_TICK_MS = 50
 #: node 0 stops its lighthouse once no group has heartbeated for this long (after its own group ended)
 LINGER_S = 3.0
 POLL_S = 0.2
+#: how long a job's first quorum waits for every group started with it (``--first-quorum-timeout``)
+FIRST_QUORUM_TIMEOUT_S = 300.0
 #: the rank's environment under --fault-tolerant (LiveOptions.to_env / from_env)
 ENV = {"lighthouse": "FABRICLITE_FT_LIGHTHOUSE", "group": "FABRICLITE_FT_GROUP", "groups": "FABRICLITE_FT_GROUPS",
-       "min_replicas": "FABRICLITE_FT_MIN_REPLICAS", "address": "FABRICLITE_FT_ADDRESS"}
+       "min_replicas": "FABRICLITE_FT_MIN_REPLICAS", "address": "FABRICLITE_FT_ADDRESS",
+       "first_quorum_timeout": "FABRICLITE_FT_FIRST_QUORUM_TIMEOUT"}
 FT_EXTRA = "pip install 'fabriclite[ft]' (torchft 0.2.0 and its pinned requirements)"
 
 
@@ -52,8 +59,9 @@ class LighthouseError(rendezvous.RendezvousError):
 @dataclass(frozen=True)
 class LiveOptions:
     """Where this node's replica group sits: ``group`` of ``groups`` (its node rank, the number of nodes), the
-    lighthouse ``host:port``, the quorum's minimum, and ``address``: this node's address other groups reach
-    (its store, its torchft manager and its process group are advertised there)."""
+    lighthouse ``host:port``, the quorum's minimum, ``address``: this node's address other groups reach
+    (its store, its torchft manager and its process group are advertised there), and how long the job's first
+    quorum waits for every group (seconds)."""
 
     lighthouse: str
     group: int
@@ -61,6 +69,7 @@ class LiveOptions:
     min_replicas: int = 1
     address: str = "127.0.0.1"
     host_lighthouse: bool = False
+    first_quorum_timeout: float = FIRST_QUORUM_TIMEOUT_S
 
     def to_env(self) -> Dict[str, str]:
         """The variables a rank of this group reads back with :meth:`from_env`."""
@@ -73,7 +82,8 @@ class LiveOptions:
             return None
         env = os.environ
         return cls(env[ENV["lighthouse"]], int(env[ENV["group"]]), int(env[ENV["groups"]]),
-                   int(env[ENV["min_replicas"]]), env[ENV["address"]])
+                   int(env[ENV["min_replicas"]]), env[ENV["address"]],
+                   first_quorum_timeout=float(env.get(ENV["first_quorum_timeout"], FIRST_QUORUM_TIMEOUT_S)))
 
     @property
     def host_port(self) -> Tuple[str, int]:
@@ -133,14 +143,7 @@ class Lighthouse:
     def groups_alive(self) -> Optional[List[str]]:
         """The replica groups the lighthouse has heard from within its heartbeat timeout (from its status
         page); None when it does not answer."""
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"http://{self.host}:{self.port}/status", timeout=2) as reply:
-                page = reply.read().decode("utf-8", "replace")
-        except OSError:
-            return None
-        return live_groups(page, HEARTBEAT_TIMEOUT_MS / 1000)
+        return status_groups(self.host, self.port)
 
     def linger(self, stop_waiting: Callable[[], bool]) -> None:
         """Keep the lighthouse up until no group has heartbeated for LINGER_S (every other group finished or
@@ -178,6 +181,26 @@ def bind_address(host: str, port: int) -> str:
     address = sock.getsockname()[0]
     sock.close()
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def status_groups(host: str, port: int) -> Optional[List[str]]:
+    """The replica ids (``group_<i>:<uuid>``) the lighthouse at ``host:port`` has heard from within its heartbeat
+    timeout, from its status page; None when it does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/status", timeout=2) as reply:
+            page = reply.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    return live_groups(page, HEARTBEAT_TIMEOUT_MS / 1000)
+
+
+def group_of(replica_id: str) -> Optional[int]:
+    """The group (node rank) of a replica id fabriclite gives torchft (``group_<i>``, torchft adds ``:<uuid>``);
+    None for another name (an external lighthouse may serve other jobs' groups too)."""
+    match = re.fullmatch(r"group_(\d+)(:.*)?", replica_id)
+    return int(match.group(1)) if match else None
 
 
 def live_groups(page: str, heartbeat_timeout_s: float) -> List[str]:

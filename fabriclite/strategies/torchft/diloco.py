@@ -28,6 +28,10 @@ What differs from ``strategy="fault_tolerant"``:
 - ``fabric.save`` adds the key ``"low_communication"`` to the checkpoint (the global weights, the outer
   optimizers, the Manager's step, which says the next fragment, and the inner step inside the interval);
   ``fabric.load`` / ``load_latest`` of a dict state restore it.
+- At the end of a DiLoCo run (the strategy's teardown, when nothing raised) the groups still running compare
+  their committed syncs and a checksum of their global weights in one more quorum; a mismatch is a RuntimeError
+  naming each group's values (a sync whose all-reduce failed in one group commits in the others: torchft's
+  vote is per group; the next sync's quorum would heal the group behind, but after the last one nothing does).
 - Floating-point buffers (BatchNorm statistics) are averaged at every sync, inside its commit; integer buffers
   (``num_batches_tracked``) stay local.
 - ``should_quantize=True`` needs Triton (torchft: ``if should_quantize and IS_TRITON_AVAILABLE``; otherwise it
@@ -35,6 +39,7 @@ What differs from ``strategy="fault_tolerant"``:
 """
 from __future__ import annotations
 
+import sys
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Dict, Optional
 
@@ -47,6 +52,12 @@ from fabriclite.strategies.torchft.replica_strategy import HEAL_ATTEMPTS, FaultT
 
 #: the checkpoint key the strategy adds (see the module docstring)
 CHECKPOINT_KEY = "low_communication"
+
+
+def _failing() -> bool:
+    """Whether the process is ending on an error (an exception being handled, or an uncaught one already
+    reported): the end-of-run comparison then does not run (the other groups may be mid-sync)."""
+    return sys.exc_info()[0] is not None or getattr(sys, "last_value", None) is not None
 
 
 class LowCommunicationStrategy(FaultTolerantStrategy):
@@ -118,9 +129,14 @@ class LowCommunicationStrategy(FaultTolerantStrategy):
             raise RuntimeError(f"under strategy={self.name!r}, call fabric.setup(model, optimizer) before "
                                "fabric.load_latest(): the sync must exist before the first quorum.")
         manager = self._register_state(state_fn, apply_fn)
-        for _ in range(HEAL_ATTEMPTS):
+        deadline = self.first_quorum_deadline()
+        failures = 0
+        while failures < HEAL_ATTEMPTS:
             manager.start_quorum()
             if manager.errored() is not None:
+                failures += 1
+                continue
+            if self.first_quorum_incomplete(manager, deadline):
                 continue
             step = manager.current_step()
             if step == 0:
@@ -157,10 +173,23 @@ class LowCommunicationStrategy(FaultTolerantStrategy):
         return remainder
 
     def teardown(self) -> None:
-        if self._sync is not None:
-            self._sync.close()
-            self._sync = None
-        super().teardown()
+        """Close the sync; at the end of a DiLoCo run that raised nothing, first compare the groups' global weights
+        (:meth:`check_end`)."""
+        try:
+            if self._sync is not None and self._state_registered and not _failing():
+                self.check_end()
+        finally:
+            if self._sync is not None:
+                self._sync.close()
+                self._sync = None
+            super().teardown()
+
+    def check_end(self) -> None:
+        """DiLoCo: every live group of the job compares its committed syncs and a checksum of its global weights
+        with the others'; RuntimeError naming the groups when they differ (fabriclite.strategies.torchft.
+        diloco_sync.DiLoCoSync.check_end). LocalSGD: nothing (its weights part after each sync)."""
+        if self.scheme == "diloco" and self._sync is not None and self.options is not None:
+            self._sync.check_end(self.options.group, self.options.groups)
 
 
 class DiLoCoStrategy(LowCommunicationStrategy):

@@ -12,16 +12,21 @@ when the optimizer is set up.
   vote.
 - :class:`DiLoCoSync` / :class:`LocalSGDSync`: torchft's classes, unchanged in what they compute, plus
   :meth:`join` (a group that was healed inside the live groups' sync quorum takes part in that sync, exactly as
-  their step hook does) and their state for fabriclite's checkpoints.
+  their step hook does) and their state for fabriclite's checkpoints; and :meth:`DiLoCoSync.check_end`: at the
+  end of a run the groups compare their committed syncs and a checksum of their global weights (torchft's vote
+  is per group, so a sync whose all-reduce failed in one group only commits in the others; the next sync's
+  quorum heals the group behind, but after the last one nothing would).
 """
 from __future__ import annotations
 
+import zlib
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.distributed import ReduceOp
+from torch.distributed.distributed_c10d import AllreduceOptions
 from torch.optim import Optimizer
 from torchft.local_sgd import DiLoCo, LocalSGD
 
@@ -106,6 +111,51 @@ class DiLoCoSync(DiLoCo):
             self._manager._load_state_dict_fns[_key(i)](fragment)
         pending_from = self._sync_every - self._fragment_sync_delay
         self._local_step = min(state["local_step"], pending_from - 1)
+
+    def global_checksum(self) -> int:
+        """A CRC-32 of every fragment's global weights (``original_parameters``), in order, bytes as stored."""
+        crc = 0
+        for fragment in self._fragments:
+            for name in sorted(fragment.original_parameters):
+                tensor = fragment.original_parameters[name].detach()
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                crc = zlib.crc32(name.encode(), crc)
+                crc = zlib.crc32(local.cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        return crc
+
+    def check_end(self, group: int, groups: int) -> List[int]:
+        """At the end of a run: one more quorum (no heal: a group behind must not be hidden by one), then every
+        group of it compares its committed syncs and :meth:`global_checksum` with the others' (one small
+        all-reduce on the Manager's process group). RuntimeError naming the groups on a mismatch; the groups
+        compared otherwise (this one alone when the others have already gone)."""
+        manager = self._manager
+        for _, work in manager._sync_works:  # a fragment's all-reduce still in flight (fragment_sync_delay)
+            work.wait()
+        manager._sync_works = []
+        # torchft's start_quorum runs the quorum on the Manager's thread pool, which Python has already shut down
+        # when this runs at exit (the strategy's teardown is an atexit handler): run it on this thread
+        manager._errored, manager._healing = None, False
+        manager._async_quorum(allow_heal=False, shrink_only=False, quorum_timeout=manager._quorum_timeout,
+                              curr_device=-1)
+        if manager.errored() is not None:
+            raise RuntimeError(f"strategy='diloco': the end-of-run comparison of the replica groups' global "
+                               f"weights could not form a quorum: {manager.errored()}")
+        _, present = manager.quorum_groups()
+        table = torch.zeros(groups, 3, dtype=torch.float64)  # per group: present, syncs committed, checksum
+        table[group] = torch.tensor([1.0, float(manager.current_step()), float(self.global_checksum())],
+                                    dtype=torch.float64)
+        if len(present) > 1:
+            options = AllreduceOptions()
+            options.reduceOp = ReduceOp.SUM
+            manager._pg.allreduce([table], options).wait()
+        rows = {g: (int(table[g, 1]), int(table[g, 2])) for g in range(groups) if table[g, 0] == 1.0}
+        if len(set(rows.values())) > 1:
+            described = "; ".join(f"group {g}: {step} syncs committed, global weights CRC-32 {crc:08x}"
+                                  for g, (step, crc) in rows.items())
+            raise RuntimeError(f"strategy='diloco' ended with replica groups whose global weights differ ({described}). "
+                               f"A sync committed in some groups and not in others (an all-reduce failed in one "
+                               f"group only); resume every group from one group's checkpoint.")
+        return sorted(rows)
 
     def close(self) -> None:
         self.__exit__(None, None, None)

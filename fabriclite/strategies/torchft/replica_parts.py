@@ -17,14 +17,16 @@ benchmarks/results/fault_tolerance.md, benchmarks/ft_cuts.py):
   never rebuilds them), which put a large gradient in the bucket that waits for the first layer's; ReplicaDDP
   asks for plain DDP's (rebuilt) layout instead, so the large all-reduce overlaps with the rest of backward.
 - :class:`ReplicaManager`: with one rank per replica group (what the strategy runs), ``should_commit`` takes
-  the group's vote locally instead of an RPC to the group's own ManagerServer, whose answer is that vote.
+  the group's vote locally instead of an RPC to the group's own ManagerServer, whose answer is that vote; and it
+  keeps the last quorum's result (:attr:`ReplicaManager.last_quorum`: which groups it held, their highest step),
+  which torchft's Manager reads and drops, so that the strategy can tell a job's first quorum that lacks groups.
 - :func:`build_manager` imports ``torch._dynamo`` (which torchft's DDP wrapper imports lazily, ~1 s) before the
   Manager starts heartbeating, and uses the process-group checkpoint transport (torchft's HTTP transport
   advertises ``gethostname()``, which maps to 127.0.1.1 on Debian hosts, and binds IPv6 only).
 """
 # no ``from __future__ import annotations``: DDP checks the comm hook's annotations as objects
 from datetime import timedelta
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch._dynamo  # noqa: F401 - see build_manager
@@ -38,7 +40,7 @@ from torchft.manager import Manager
 from torchft.optim import OptimizerWrapper
 from torchft.process_group import ProcessGroupGloo
 
-from fabriclite.supervision.lighthouse import LiveOptions
+from fabriclite.supervision.lighthouse import LiveOptions, group_of
 
 
 def build_manager(options: LiveOptions, group_rank: int, group_world_size: int, store_address: str,
@@ -77,8 +79,38 @@ def finish_heal(manager: Manager) -> bool:
     return True
 
 
+class _RecordingClient:
+    """torchft's ManagerClient, keeping each quorum result on the Manager (``last_quorum``)."""
+
+    def __init__(self, client: Any, manager: "ReplicaManager") -> None:
+        self._client, self._manager = client, manager
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._client._quorum(*args, **kwargs)
+        self._manager.last_quorum = result
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
 class ReplicaManager(Manager):
-    """torchft's Manager; with one rank per replica group, ``should_commit`` decides locally (module docstring)."""
+    """torchft's Manager; with one rank per replica group, ``should_commit`` decides locally; the last quorum's
+    result is kept (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: the last quorum's result (torchft's QuorumResult: ``replica_ids``, ``max_step``, ...), None before one
+        self.last_quorum: Any = None
+        self._client = _RecordingClient(self._client, self)
+
+    def quorum_groups(self) -> Tuple[int, List[int]]:
+        """The last quorum's highest committed step and the groups (node ranks) it held, sorted; call after
+        ``wait_quorum``."""
+        if self.last_quorum is None:
+            return 0, []
+        groups = {group_of(replica_id.split(":")[0]) for replica_id in self.last_quorum.replica_ids}
+        return self.last_quorum.max_step, sorted(g for g in groups if g is not None)
 
     def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
         """Whether this step commits (a quorum of at least ``min_replica_size`` groups and no error recorded); as

@@ -14,12 +14,19 @@ What spans what, in this mode:
   down its shard for those steps is not trained on.
 - Healing: ``fabric.load_latest(dir, state)`` registers ``state`` with the Manager and takes part in a quorum; a
   group behind a live peer receives the peer's ``state`` over the network (see :meth:`heal`).
+- A job starts together: ``load_latest``'s quorum, when no group has committed a step yet (the job's first), must
+  hold every group started with the job (``--num-nodes``); one that lacks some asks again once the missing
+  groups heartbeat at the lighthouse, for up to ``--first-quorum-timeout`` seconds, then fails naming them
+  (:meth:`FaultTolerantStrategy.first_quorum_incomplete`). Every group thus starts from group 0's initial state
+  (torchft's ``init_sync``), and none trains alone while the others start. After that first quorum the quorum
+  may shrink to ``--min-replicas`` groups.
 
 torchft is imported only when the Manager is built (the first ``setup`` or ``load_latest``).
 """
 from __future__ import annotations
 
 import importlib.util
+import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, Optional
 
@@ -27,7 +34,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fabriclite.strategies.ddp import DDPStrategy
-from fabriclite.supervision.lighthouse import FT_EXTRA, LiveOptions
+from fabriclite.supervision.lighthouse import FT_EXTRA, LiveOptions, group_of, status_groups
 
 #: the Manager's timeout for one step's cross-group work (all-reduce, commit vote, a heal's transfer)
 STEP_TIMEOUT = timedelta(seconds=60)
@@ -35,6 +42,11 @@ STEP_TIMEOUT = timedelta(seconds=60)
 CONNECT_TIMEOUT = timedelta(seconds=10)
 #: how often load_latest asks for a quorum again when a heal failed (the peer died while sending)
 HEAL_ATTEMPTS = 5
+#: the pause before a job's first quorum is asked again (below the lighthouse's join timeout, 300 ms: a group
+#: that asked meanwhile is still waiting for this one)
+FIRST_QUORUM_RETRY_S = 0.05
+#: how often the missing groups' heartbeats are looked for on the lighthouse's status page
+HEARTBEAT_POLL_S = 0.2
 
 
 class FaultTolerantStrategy(DDPStrategy):
@@ -127,13 +139,54 @@ class FaultTolerantStrategy(DDPStrategy):
         live groups have committed (0: none has, the job is starting or every group died: read the disk).
         RuntimeError if the state could not be received after HEAL_ATTEMPTS quorums."""
         manager = self._register_state(state_fn, apply_fn)
-        for _ in range(HEAL_ATTEMPTS):
+        deadline = self.first_quorum_deadline()
+        failures = 0
+        while failures < HEAL_ATTEMPTS:
             manager.start_quorum()
             healed = _parts().finish_heal(manager)
-            if healed or manager.errored() is None:
-                self._quorum_open = True
-                return manager.current_step()
+            if not (healed or manager.errored() is None):
+                failures += 1
+                continue
+            if self.first_quorum_incomplete(manager, deadline):
+                continue
+            self._quorum_open = True
+            return manager.current_step()
         raise self._heal_failed()
+
+    def first_quorum_deadline(self) -> float:
+        """When (time.monotonic) the job's first quorum stops waiting for the groups started with it."""
+        return time.monotonic() + (self.options.first_quorum_timeout if self.options else 0.0)
+
+    def first_quorum_incomplete(self, manager: Any, deadline: float) -> bool:
+        """Whether the quorum just formed is the job's first (no group has committed a step) and lacks a group
+        started with the job: then wait until every missing group heartbeats at the lighthouse (it is up and about
+        to ask) and return True (ask again). False for a complete quorum or one of a running job. RuntimeError
+        naming the missing groups once ``deadline`` has passed."""
+        step, present = manager.quorum_groups()
+        groups = self.options.groups if self.options else 1
+        missing = [g for g in range(groups) if g not in present]
+        if step > 0 or not missing:
+            return False
+        host, port = self.options.host_port
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise RuntimeError(
+                    f"{self.name}: the job's first quorum did not hold every replica group within "
+                    f"--first-quorum-timeout {self.options.first_quorum_timeout:g} s: group(s) "
+                    f"{', '.join(map(str, missing))} of {groups} (--num-nodes) never joined (the quorum held "
+                    f"group(s) {', '.join(map(str, present)) or 'none'}). Start the missing nodes (`fabriclite run "
+                    f"--fault-tolerant --num-nodes {groups} --node-rank I ...`, each reaching the lighthouse at "
+                    f"{self.options.lighthouse}), or raise --first-quorum-timeout.")
+            alive = status_groups(host, port)
+            if alive is None:  # the status page does not answer: ask again after a pause
+                break
+            heartbeating = {group_of(replica_id.split(":")[0]) for replica_id in alive}
+            if all(g in heartbeating for g in missing):
+                break
+            time.sleep(min(HEARTBEAT_POLL_S, max(0.0, deadline - now)))
+        time.sleep(FIRST_QUORUM_RETRY_S)
+        return True
 
     def _register_state(self, state_fn: Callable[[], Dict[str, Any]],
                         apply_fn: Callable[[Dict[str, Any]], None]) -> Any:

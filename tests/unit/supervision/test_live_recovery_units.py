@@ -11,8 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fabriclite import Fabric, cli
-from fabriclite.supervision.lighthouse import (LighthouseError, LiveOptions, advertised_address, live_groups,
-                                               parse_address, wait_reachable)
+from fabriclite.supervision.lighthouse import (FIRST_QUORUM_TIMEOUT_S, LighthouseError, LiveOptions,
+                                               advertised_address, group_of, live_groups, parse_address,
+                                               wait_reachable)
 
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 hosts = st.from_regex(r"[a-z][a-z0-9.-]{0,20}", fullmatch=True)
@@ -21,12 +22,31 @@ hosts = st.from_regex(r"[a-z][a-z0-9.-]{0,20}", fullmatch=True)
 @given(lighthouse_host=hosts, port=st.integers(1, 65535), groups=st.integers(1, 64), data=st.data())
 def test_live_options_round_trip_through_the_rank_environment(lighthouse_host, port, groups, data):
     group = data.draw(st.integers(0, groups - 1))
-    options = LiveOptions(f"{lighthouse_host}:{port}", group, groups, data.draw(st.integers(1, groups)), "10.0.0.7")
+    options = LiveOptions(f"{lighthouse_host}:{port}", group, groups, data.draw(st.integers(1, groups)), "10.0.0.7",
+                          first_quorum_timeout=data.draw(st.floats(0.001, 1e6)))
     with pytest.MonkeyPatch.context() as patch:
         for name, value in options.to_env().items():
             patch.setenv(name, value)
         back = LiveOptions.from_env()
     assert back == options and back.host_port == (lighthouse_host, port)
+
+
+def test_live_options_from_an_older_supervisor_get_the_default_first_quorum_timeout(monkeypatch):
+    options = LiveOptions("h:1", 0, 2)
+    for name, value in options.to_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("FABRICLITE_FT_FIRST_QUORUM_TIMEOUT")
+    assert LiveOptions.from_env().first_quorum_timeout == FIRST_QUORUM_TIMEOUT_S == 300.0
+
+
+@given(group=st.integers(0, 10_000), suffix=st.sampled_from(["", ":2f0c9a1e-8d7b-4c2e-9f3a-1b2c3d4e5f60", ":x"]))
+def test_group_of_reads_the_node_rank_from_a_replica_id(group, suffix):
+    assert group_of(f"group_{group}{suffix}") == group
+
+
+@pytest.mark.parametrize("replica_id", ["other_1", "group_", "group_1x", "xgroup_1", ""])
+def test_group_of_is_none_for_another_jobs_replica_id(replica_id):
+    assert group_of(replica_id) is None
 
 
 def test_live_options_are_none_outside_the_mode(monkeypatch):
@@ -87,7 +107,8 @@ def test_fabric_strategy_fault_tolerant_without_torchft_names_the_extra(no_launc
         Fabric(strategy="fault_tolerant", accelerator="cpu", devices=1)
 
 
-@pytest.mark.parametrize("flag", [["--min-replicas", "2"], ["--lighthouse", "h:1"]])
+@pytest.mark.parametrize("flag", [["--min-replicas", "2"], ["--lighthouse", "h:1"],
+                                  ["--first-quorum-timeout", "30"]])
 def test_live_flags_without_fault_tolerant_are_refused(capsys, flag):
     code, line = run_cli(capsys, *flag)
     assert code == 2 and line == f"fabriclite run: error: {flag[0]} needs --fault-tolerant."

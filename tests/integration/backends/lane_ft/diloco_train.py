@@ -14,7 +14,9 @@ It trains ``STEPS`` (argv[2]) inner steps, then stops at the next step that ends
 of ``FT_KILL_GROUP`` has come back and committed a sync since (``resynced-<g>``, written by that group: a group
 that came back late, after the others' ``STEPS``, still takes a sync with them before anyone stops). ``FT_KILL_GROUP`` / ``FT_KILL_STEP``: that group's rank SIGKILLs itself at the
 second all-reduce of the first sync after that step, in its first incarnation (the others are inside that sync's
-all-reduces). ``FT_BN=1`` puts a BatchNorm in the model.
+all-reduces). ``FT_BN=1`` puts a BatchNorm in the model. ``FT_DELAY_GROUP`` / ``FT_DELAY_S``: that group's rank
+sleeps that long before ``fabric.setup`` (its Manager, then its first quorum, start late). ``FT_SKEW_GROUP``: that
+group changes one of its global weights after the loop (the end-of-run comparison must fail).
 """
 import os
 import signal
@@ -37,6 +39,8 @@ torch.manual_seed(1234 + group)  # different initial weights per group: the job'
 layers = [nn.Linear(16, 32), nn.BatchNorm1d(32)] if os.environ.get("FT_BN") == "1" else [nn.Linear(16, 32)]
 model = nn.Sequential(*layers, nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
 optimizer = torch.optim.AdamW(model.parameters(), lr=float(os.environ.get("FT_LR", "0.01")))
+if group == int(os.environ.get("FT_DELAY_GROUP", "-1")) and fabric.restart_count == 0:
+    time.sleep(float(os.environ.get("FT_DELAY_S", "0")))  # this group starts its Manager (and first quorum) late
 model, optimizer = fabric.setup(model, optimizer)
 state = {"model": model, "optimizer": optimizer, "step": 0}
 checkpoints = os.path.join(out, f"checkpoints-{group}")
@@ -95,6 +99,9 @@ while not (state["step"] >= steps and state["step"] % settings.sync_every == 0 a
     log.write(f"{state['step']} {now} {loss.item():.6f}\n")
 
 torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"final-{group}.pt"))
+if group == int(os.environ.get("FT_SKEW_GROUP", "-1")):  # this group's global weights part from the others'
+    with torch.no_grad():
+        next(iter(strategy._sync._fragments[0].original_parameters.values())).view(-1)[0] += 1e-3
 if save_every:
     last = sorted(p for p in os.listdir(checkpoints) if p.endswith(".ckpt"))[-1]
     fabric.load(os.path.join(checkpoints, last), state)

@@ -17,7 +17,9 @@ end it writes its weights to ``OUT/final-<group>.pt``. ``FT_KILL_GROUP`` / ``FT_
 in the gradient all-reduce) SIGKILL that group's rank at the first step >= FT_KILL_STEP of its first incarnation
 (``FT_KILL_ROUNDS``: of its first N). ``FT_WAIT_STARTS=group:n``: the groups also wait until that group has started
 n times (relaunched by hand). ``FT_HANG_GROUP`` / ``FT_HANG_STEP``: that group's rank sleeps for good
-(user code, no collective) after that step, in its first incarnation.
+(user code, no collective) after that step, in its first incarnation. ``FT_DELAY_GROUP`` / ``FT_DELAY_S``: that
+group's rank sleeps that long before ``fabric.setup`` (its Manager, then its first quorum, start late). After its
+first ``load_latest`` each group writes its weights to ``OUT/initial-<group>.pt``.
 """
 import time
 
@@ -63,6 +65,8 @@ torch.manual_seed(1234 + group)  # different initial weights per group: init_syn
 width, batch = int(os.environ.get("FT_WIDTH", "32")), int(os.environ.get("FT_BATCH", "32"))  # the benchmark's sizes
 model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+if group == int(os.environ.get("FT_DELAY_GROUP", "-1")) and fabric.restart_count == 0:
+    time.sleep(float(os.environ.get("FT_DELAY_S", "0")))  # this group starts its Manager (and first quorum) late
 model, optimizer = fabric.setup(model, optimizer)
 state = {"model": model, "optimizer": optimizer, "step": 0}
 log = open(os.path.join(out, f"steps-{group}.txt"), "a", buffering=1)
@@ -70,6 +74,8 @@ save_every = int(os.environ.get("FT_SAVE_EVERY", "0"))  # 0: never save (a heale
 checkpoints = os.path.join(out, f"checkpoints-{group}")  # each group its own directory
 source = fabric.load_latest(checkpoints, state)
 log.write(f"start {fabric.restart_count} {state['step']} {time.time():.4f} {source}\n")
+if fabric.restart_count == 0:
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"initial-{group}.pt"))
 log.write(f"process {fabric.restart_count} {STARTED:.4f}\n")
 dies = group in kill_groups and fabric.restart_count < kill_rounds
 

@@ -69,13 +69,29 @@ def assert_recovered(out: Path, killed: int, at: int, witness: int) -> None:
 
 
 @pytest.mark.slow
-def test_no_fault_every_group_ends_with_the_same_weights(tmp_path: Path) -> None:
-    nodes = run_job(tmp_path, {}, steps=60)
+def test_no_fault_the_job_starts_together_and_ends_with_the_same_weights(tmp_path: Path) -> None:
+    # group 0 reaches the first quorum 4 s after the others: with torchft's minimum of 1 group, groups 1 and 2
+    # would train alone meanwhile and group 0 would heal into their step; the job's first quorum waits for it
+    # instead. Beside it, node 0 of another 2-node job starts alone: its first quorum gives up after
+    # --first-quorum-timeout, naming the group that never joined.
+    lone = start_nodes(tmp_path / "lone", 10, nodes=2, ranks=[0], args=["--first-quorum-timeout", "3"])
+    nodes = run_job(tmp_path, {"FT_DELAY_GROUP": "0", "FT_DELAY_S": "4"}, steps=60)
     assert_all_ok(nodes)
     assert_same_end(tmp_path, steps=60)
-    # the groups start from different seeds: equal weights mean init_sync healed them from one state
+    initial = [torch.load(tmp_path / f"initial-{g}.pt") for g in (0, 1, 2)]
     for g in (0, 1, 2):
-        assert StepLog.read(tmp_path, g).starts[0][0] == 0
+        log = StepLog.read(tmp_path, g)
+        assert log.starts[0][:2] == (0, 0), f"group {g} did not start with the job: {log.starts[0]}"
+        assert log.rows[0][0] == 1 and log.rows[0][2] == 1, f"group {g}'s first iteration: {log.rows[0]}"
+        # the groups start from different seeds: every one starts from group 0's initial state (init_sync)
+        assert all(torch.equal(initial[g][k], initial[0][k]) for k in initial[0]), f"group {g} != group 0 at start"
+    delayed = StepLog.read(tmp_path, 0).starts[0][2]
+    assert all(StepLog.read(tmp_path, g).rows[0][1] >= delayed for g in (1, 2))  # nobody stepped before it came
+    lone = wait_nodes(lone, RUN_TIMEOUT_S)[0]
+    assert lone.code == 1, lone.output[-3000:]
+    assert ("the job's first quorum did not hold every replica group within --first-quorum-timeout 3 s: group(s) 1 "
+            "of 2 (--num-nodes) never joined (the quorum held group(s) 0)") in lone.output, lone.output[-3000:]
+    assert not (tmp_path / "lone" / "steps-0.txt").read_text().strip(), "the lone group trained"
 
 
 @pytest.mark.slow

@@ -6,8 +6,9 @@ its real lighthouse and local nodes, each its own ``fabriclite run`` with one ra
   (bit for bit), and its first sync gives the same global weights as theirs; every sync leaves the groups with the
   same global weights and floating-point buffers; a checkpoint holds and restores the sync's state.
 - With the same seed and no fault, fabriclite's DiLoCo ends with the same weights as torchft's DiLoCo written by
-  hand (diloco_by_hand.py), bit for bit; LocalSGD trains and ends with the groups' weights equal. These jobs run
-  at the same time.
+  hand (diloco_by_hand.py), bit for bit, though its group 0 reaches the first quorum 4 s late (the job starts
+  together); LocalSGD trains and ends with the groups' weights equal; a DiLoCo job whose groups end with different
+  global weights fails on both, naming each group's syncs and checksum. These jobs run at the same time.
 
 Time (the 2-core machine shared with other test runs, load average 13-22): the kill run took 87-201 s, the three
 jobs together 37-131 s; the file 2.1-5.5 min there (start-up is most of it: ~35-70 s per rank under that load).
@@ -16,6 +17,7 @@ Each job is bounded at 480 s, over 2x the slowest measured.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,13 +141,18 @@ def start_by_hand(out: Path, steps: int, sync_every: int) -> List[subprocess.Pop
 
 
 @pytest.mark.slow
-def test_diloco_matches_torchfts_by_hand_and_local_sgd_trains(tmp_path: Path) -> None:
+def test_diloco_matches_torchfts_by_hand_local_sgd_trains_and_parted_global_weights_fail(tmp_path: Path) -> None:
     steps, every = 12, 4
-    two = ["--min-replicas", "2"]  # both groups in the job's first quorum, as by hand
-    diloco = start_nodes(tmp_path / "fabriclite", steps, nodes=2, script=TRAIN,
-                         args=["--strategy", "diloco", "--sync-every", str(every), *two])
-    local = start_nodes(tmp_path / "local_sgd", 16, nodes=2, script=TRAIN,
-                        args=["--strategy", "local_sgd", "--sync-every", "4", *two])
+    # the default --min-replicas 1, group 0 late by 4 s: the job's first quorum still holds both groups (by hand:
+    # the lighthouse's minimum is 2), so group 1 takes group 0's initial state instead of training alone
+    late = {"FT_DELAY_GROUP": "0", "FT_DELAY_S": "4"}
+    diloco = start_nodes(tmp_path / "fabriclite", steps, nodes=2, script=TRAIN, env=late,
+                         args=["--strategy", "diloco", "--sync-every", str(every)])
+    local = start_nodes(tmp_path / "local_sgd", 16, nodes=2, script=TRAIN, env=late,
+                        args=["--strategy", "local_sgd", "--sync-every", "4"])
+    # group 1 changes one global weight after its loop: the end-of-run comparison fails on both groups
+    parted = start_nodes(tmp_path / "parted", 8, nodes=2, script=TRAIN, env={"FT_SKEW_GROUP": "1"},
+                         args=["--strategy", "diloco", "--sync-every", "4", "--max-restarts", "0"])
     by_hand = start_by_hand(tmp_path / "by_hand", steps, every)
     try:
         for process in by_hand[1:]:
@@ -165,3 +172,10 @@ def test_diloco_matches_torchfts_by_hand_and_local_sgd_trains(tmp_path: Path) ->
     # LocalSGD: the groups trained apart and ended on one average
     assert_trains(tmp_path / "local_sgd", (0, 1))
     assert same(load(tmp_path / "local_sgd" / "final-0.pt"), load(tmp_path / "local_sgd" / "final-1.pt"))
+    for node in wait_nodes(parted, RUN_TIMEOUT_S):
+        assert node.code == 1, node.output[-3000:]
+        found = re.search(r"strategy='diloco' ended with replica groups whose global weights differ \(group 0: (\d+) "
+                          r"syncs committed, global weights CRC-32 (\w+); group 1: (\d+) syncs committed, global "
+                          r"weights CRC-32 (\w+)\)", node.output)
+        assert found, node.output[-3000:]
+        assert found[1] == found[3] == "3" and found[2] != found[4], found[0]  # the start's commit and 2 syncs
