@@ -10,9 +10,12 @@ one shard at a time (``ds.shard(num_shards=n, index=s)`` of the unsplit dataset)
   examples); worker ``w`` of ``nw`` takes every ``nw``-th of the rank's shards from ``w`` on. The order is the
   shards' own in every epoch (``datasets`` would permute the shards after ``set_epoch``; fabriclite keeps them in
   order, so that a position means the same in every epoch).
-- a resumed epoch at other sizes (:func:`deal`): the shards not finished, each at its offset, are dealt the same way
-  over this run's ranks and workers (shard ``k`` of the rest to rank ``k % W'``, worker ``(k // W') % nw'``); each
-  shard resumes through its own ``state_dict`` (``datasets`` re-reads the current shard up to its offset).
+- a resumed epoch at other sizes (:func:`deal`): the shards not finished, each at its offset, are dealt by examples
+  over this run's ranks and workers (every ``W'``-th example of the merged rest from rank ``r`` on, its ``k``-th to
+  worker ``k % nw'``; each worker reads the whole rest), ranks short by one example padded with their first, at most
+  W' - 1 padding samples over the job; each shard resumes through its own ``state_dict`` (``datasets`` re-reads the
+  current shard up to its offset). A dealt epoch's position moves again only to its own sizes (its workers' shares
+  interleave: what they consumed is not a prefix of the rest).
 
 A worker's snapshot (``ShardStream.snapshot``, taken after each batch by ``worker_snapshots.SnapshotStream``) holds its
 shards left (the current one with its Hugging Face state) and its place in its stream. :func:`rest` merges every
@@ -42,14 +45,29 @@ def plain_plan(shards: int, rank: int, world_size: int, worker: int, workers: in
 
 
 def deal(rest: List[Entry], world_size: int, workers: int) -> List[Dict[int, Dict[str, Any]]]:
-    """The shards left ``rest`` (in shard order) dealt over ``world_size`` ranks x ``workers`` workers: per rank,
-    worker -> ``{"entries", "step": 1, "offset": 0}``."""
+    """The shards left ``rest`` (in shard order) dealt over ``world_size`` ranks x ``workers`` workers by examples:
+    per rank, worker -> its stream. Every worker reads the whole rest, each shard from its offset, and keeps the
+    examples at the positions ``p`` with ``p % W' == rank`` and ``(p // W') % workers == worker``: rank ``r`` gets
+    every ``W'``-th example of the rest from ``r`` on, and its ``k``-th goes to worker ``k % workers``. A rank with
+    one example fewer than rank 0 repeats its first example as padding, in the worker its next example would have
+    gone to, so that every rank's workers hold the same numbers of examples (the same batches): at most W' - 1
+    padding samples over the job, as ``DistributedSampler`` pads (``"pad"``; the stream counts the rest as it reads
+    it, so nothing is read twice but that example)."""
     workers = max(1, workers)
-    plans: List[Dict[int, Dict[str, Any]]] = [{w: {"entries": [], "step": 1, "offset": 0} for w in range(workers)}
-                                              for _ in range(world_size)]
-    for k, entry in enumerate(sorted(rest, key=lambda e: e[0])):
-        plans[k % world_size][(k // world_size) % workers]["entries"].append(list(entry))
-    return plans
+    entries = [list(e) for e in sorted(rest, key=lambda e: e[0])]
+    return [{w: {"entries": copy.deepcopy(entries), "step": world_size * workers, "offset": w * world_size + r,
+                 "pad": {"ranks": world_size, "rank": r, "workers": workers, "worker": w,
+                         "origin": copy.deepcopy(entries)}}
+             for w in range(workers)} for r in range(world_size)]
+
+
+def padding_due(plan_pad: Mapping[str, Any], total: int) -> bool:
+    """Whether the worker of ``plan_pad`` (:func:`deal`'s ``"pad"``) repeats its rank's first example, the rest
+    holding ``total`` examples: its rank has one fewer than rank 0 and its next example was this worker's."""
+    ranks, rank, workers, worker = (int(plan_pad[k]) for k in ("ranks", "rank", "workers", "worker"))
+    most = -(-total // ranks)
+    mine = -(-(total - rank) // ranks) if total > rank else 0
+    return mine < most and (most - 1) % workers == worker
 
 
 class ShardDealer:
@@ -86,6 +104,8 @@ class ShardStream:
         self.step, self.offset = int(start["step"]), int(start["offset"])
         self.position, self.kept, self.done = int(start.get("position", 0)), int(start.get("kept", 0)), \
             list(start.get("done", []))
+        self.pad: Optional[Dict[str, Any]] = start.get("pad")
+        self.padded = int(start.get("padded", 0))
         self._current: Any = None
 
     def __iter__(self) -> Iterator[Any]:
@@ -106,13 +126,38 @@ class ShardStream:
             self.done.append(int(shard))
             self.entries.pop(0)
             self._current = None
+        if self.pad is not None and not self.padded and padding_due(self.pad, self.position):
+            mine = int(self.pad["rank"])  # its rank's first example; the rest's first when the rank has none
+            example = self._example_at(mine if mine < self.position else 0)
+            if example is not None:
+                self.padded = 1
+                yield example
+
+    def _example_at(self, position: int) -> Any:
+        """The rest's example at ``position`` (its rank's first), read again from the rest's start."""
+        assert self.pad is not None
+        seen = 0
+        for shard, _, state in self.pad["origin"]:
+            sub = self.base.shard(num_shards=self.shards, index=int(shard), contiguous=True)
+            if state is not None:
+                state = copy.deepcopy(state)
+                state["epoch"] = sub.epoch
+                sub.load_state_dict(state)
+            for example in _examples(sub):
+                if seen == position:
+                    return example
+                seen += 1
+        return None
 
     def snapshot(self) -> Dict[str, Any]:
         entries = [list(e) for e in self.entries]
         if entries and self._current is not None:
             entries[0][2] = self._current.state_dict()
-        return {"entries": entries, "step": self.step, "offset": self.offset, "position": self.position,
-                "kept": self.kept, "done": list(self.done)}
+        snapshot = {"entries": entries, "step": self.step, "offset": self.offset, "position": self.position,
+                    "kept": self.kept, "done": list(self.done)}
+        if self.pad is not None:
+            snapshot.update(pad=self.pad, padded=self.padded)
+        return snapshot
 
 
 def _examples(dataset: Any) -> Iterator[Any]:
@@ -139,6 +184,13 @@ def rest(rank_states: List[Mapping[str, Any]], where: str) -> List[Entry]:
     ``rank_states[r]`` holds ``"plans"`` (worker -> its stream at the epoch's start) and ``"workers"`` (worker -> the
     tag of its last consumed batch). ``where`` names the position for the error."""
     streams: Dict[Tuple[str, int], List[Tuple[int, Dict[str, Any]]]] = {}
+    for rank_state in rank_states:
+        if any("pad" in plan for plan in rank_state["plans"].values()):
+            raise StreamPositionError(
+                f"{where} is inside an epoch that was itself resumed at another world size or number of workers: "
+                "its rest was dealt by examples, and what the workers consumed of it interleaves (it is not a "
+                f"prefix of the rest), so it moves only to the sizes that epoch ran at ({len(rank_states)} ranks). "
+                "Resume at those sizes, or from a checkpoint taken at an epoch's end")
     for rank, rank_state in enumerate(rank_states):
         tags = {int(w): t for w, t in rank_state.get("workers", {}).items()}
         for worker, plan in rank_state["plans"].items():

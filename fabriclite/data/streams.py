@@ -136,9 +136,9 @@ class Streams:
         now = stream_kinds.sizes(self.world_size, self.num_workers)
         elastic_dealing.note(f"the stream's position was saved by {saved} and this run has {now}: epoch {epoch} "
                              f"continues with the {len(rest)} shards left ({started} of them part-read, each resumed "
-                             "at its offset), dealt over this run's ranks and workers; ranks whose share ends first "
-                             "repeat the start of their share as padding (counted in a warning at the epoch's end), "
-                             "or stop with the others under drop_last.", self.rank == 0)
+                             "at its offset), dealt by examples over this run's ranks and workers; a rank one example "
+                             "short repeats its first as padding (at most W' - 1 over the job, counted in a warning at "
+                             "the epoch's end).", self.rank == 0)
         return 0
 
     def resume_torchdata(self, states: List[Any], batch: int) -> None:
@@ -246,6 +246,15 @@ class Streams:
                 continue
             self._consumed.hand_out(item[1])
             yield item[0]
+        padded = sum(int((tag.get("state") or {}).get("padded", 0)) for tag in self._consumed.tags.values()
+                     if isinstance(tag.get("state"), dict))
+        repeats = self._gather(padded)
+        if self.rank == 0 and sum(repeats):
+            named = ", ".join(f"rank {r}: {n}" for r, n in enumerate(repeats) if n)
+            warnings.warn(f"Elastic resume: the resumed epoch's rest was dealt by examples over {self.world_size} "
+                          f"ranks; so that every rank yields the same number of batches, {sum(repeats)} repeated as "
+                          f"padding ({named}: a rank one example short repeats its first; at most "
+                          f"{self.world_size - 1}, as DistributedSampler pads).", stacklevel=2)
         counts = self._gather((pads, left_out))
         if self.rank == 0 and any(p or c for p, c in counts):
             text = ", ".join(f"rank {r}: {p} padding batch{'' if p == 1 else 'es'}" + (f", {c} left out" if c else "")

@@ -4,8 +4,9 @@ position can become at another size (fabriclite.data.stream_kinds.plan), in one 
 The property: a real ``datasets.IterableDataset`` of shards of random lengths is read by W ranks x nw workers as a
 plain epoch deals it (by shards when they divide by W, else by examples); each worker stops after a random number of
 its examples (the ranks sharing a stream in step, as ranks do that consumed the same batches); the snapshots are merged
-(``rest``) and dealt over W' x nw' (``deal``); reading the dealt streams to their ends gives every example not
-consumed before, and none twice.
+(``rest``) and dealt over W' x nw' (``deal``, by examples); reading the dealt streams to their ends gives every
+example not consumed before, plus at most W' - 1 padding repeats, and every rank's workers the same numbers of
+examples.
 """
 from __future__ import annotations
 
@@ -69,11 +70,21 @@ def test_rest_dealt_anew_is_every_example_left_once(data: Any) -> None:
     assert len(consumed) == len(set(consumed))
     new_world, new_workers = data.draw(st.integers(1, 3), label="W'"), data.draw(st.integers(1, 3), label="nw'")
     left = rest(rank_states, "test")
-    again = []
+    again: List[int] = []
+    per_rank = []
     for rank_plans in deal(left, new_world, new_workers):
-        for worker_plan in rank_plans.values():
-            again += read(ShardStream(base, shards, {**worker_plan, "position": 0, "kept": 0, "done": []}), -1)
-    assert sorted(consumed + again) == list(range(total))
+        counts = []
+        for _, worker_plan in sorted(rank_plans.items()):
+            got = read(ShardStream(base, shards, {**worker_plan, "position": 0, "kept": 0, "done": []}), -1)
+            counts.append(len(got))
+            again += got
+        per_rank.append(counts)
+    assert set(consumed + again) == set(range(total))
+    # every example left once, plus at most W' - 1 padding (a rank one short repeats its first)
+    padding = len(consumed) + len(again) - total
+    assert 0 <= padding <= new_world - 1, (padding, per_rank)
+    # every rank's workers hold the same numbers of examples: the same batches on every rank
+    assert all(counts == per_rank[0] for counts in per_rank), per_rank
 
 
 def test_ranks_out_of_step_on_a_shared_stream_refuse() -> None:
