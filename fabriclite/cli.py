@@ -1,6 +1,7 @@
 """``fabriclite run [options] SCRIPT [SCRIPT ARGS]``: start and supervise one node's ranks.
 ``fabriclite consolidate FOLDER [--output_file F] [--trusted]``: a sharded checkpoint as one file ``torch.load``
 reads (``--trusted``: read it with ``weights_only=False``).
+``fabriclite new-secret FILE``: a new job secret file (readable by you alone) for ``--job-secret-file``.
 ``fabriclite report RUN_FOLDER_OR_EVENTS [--output F] [--format html|perfetto] [--run ID] [--beside TRACE]``: a
 job's history as one self-contained HTML page, or as Chrome trace-event JSON for Perfetto (fabriclite/report/).
 
@@ -29,6 +30,7 @@ from fabriclite.launchers.subprocess_script import run_supervised
 from fabriclite.supervision.processes.stopping import exit_process
 from fabriclite.supervision.agent.node_layout import NodeLayout
 from fabriclite.distributed.control_plane.liveness import LOSS_ENV, loss_timeout
+from fabriclite.distributed import job_secret
 from fabriclite.distributed.rendezvous import resolve_timeout
 from fabriclite.supervision.agent.heartbeat import SLOW_LINK_ENV, slow_link_policy
 from fabriclite.strategies import FAULT_TOLERANT, STRATEGIES
@@ -96,6 +98,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--lighthouse", default=None,
                      help="with --fault-tolerant: HOST:PORT of a running torchft lighthouse (default: node 0's "
                           "supervisor starts one at --main-address:--main-port)")
+    run.add_argument("--job-secret-file", "--job_secret_file", default=None, metavar="FILE",
+                     help="a multi-node job's secret, the same file on every node (or $FABRICLITE_JOB_SECRET_FILE; "
+                          "'fabriclite new-secret FILE' makes one): only nodes that hold it reach the job's store")
+    run.add_argument("--insecure", action="store_true",
+                     help="run a multi-node job without a job secret: anyone who reaches node 0's port can stop, "
+                          "hang or read it (or $FABRICLITE_INSECURE=1)")
     diloco_settings.add_flags(run)
     run.add_argument("script", help="the Python script to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -106,6 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("--trusted", action="store_true",
                        help="the folder is yours: read meta.pt and the non-tensor items with weights_only=False "
                             "(loading them runs any code they hold); by default nothing read runs code")
+    secret = sub.add_parser("new-secret", help="write a new job secret file, readable by you alone")
+    secret.add_argument("file", help="where to write it (must not exist): a folder every node of the job sees")
     report = sub.add_parser("report", help="a job's history (its events record) as an HTML page or a Perfetto trace")
     report.add_argument("sources", nargs="+", metavar="RUN_FOLDER_OR_EVENTS",
                         help="a run folder, a folder of events-node<N>.jsonl files, or such files")
@@ -134,6 +144,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "report":
         return _report(args)
+    if args.command == "new-secret":
+        return _new_secret(args.file)
     if args.command == "consolidate":
         try:
             folder, output = _prepare_consolidate(args)
@@ -177,6 +189,11 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, ...]:
         for flag in ("min_replicas", "lighthouse", "first_quorum_timeout"):
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --fault-tolerant.")
+    if args.job_secret_file is not None:  # the path travels, never the secret (distributed/job_secret.py)
+        os.environ[job_secret.SECRET_FILE_ENV] = os.path.abspath(args.job_secret_file)
+    if args.insecure:
+        os.environ[job_secret.INSECURE_ENV] = "1"
+    job_secret.for_job(num_nodes, args.fault_tolerant)  # JobSecretError (a ValueError) names the file or the flags
     args.strategy_env = diloco_settings.cli_env(args)  # --strategy diloco|local_sgd and their settings
     if args.heartbeat_timeout is not None:  # this supervisor's (control_plane/liveness.py); ValueError names it
         os.environ[LOSS_ENV] = str(loss_timeout(resolve_timeout(args.timeout).total_seconds(), args.heartbeat_timeout))
@@ -368,6 +385,19 @@ def _consolidate(folder: str, output: str, trusted: bool = False) -> None:
         usage_error("consolidate", f"nothing was written: {folder} holds what would run code when loaded "
                                    f"({first}).{hint}")
     atomic_save(merged, output)
+
+
+def _new_secret(path: str) -> int:
+    """``fabriclite new-secret FILE``: 0, or the error rule when FILE exists or cannot be written."""
+    try:
+        job_secret.write_new_secret(path)
+    except FileExistsError:
+        usage_error("new-secret", f"{path!r} exists already; a job secret file is never overwritten: remove it or "
+                                  f"pick another path.")
+    except OSError as err:
+        usage_error("new-secret", f"cannot write {path!r}: {err.strerror}.")
+    print(f"fabriclite: wrote a new job secret to {path} (mode 0600); pass --job-secret-file {path} on every node.")
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:

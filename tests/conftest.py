@@ -14,6 +14,28 @@ from helpers import CLUSTER_VARS  # noqa: E402
 from pool import RankPool  # noqa: E402
 
 
+def _suite_job_secret() -> None:
+    """The suite's multi-node jobs run closed, as a user's must (issue 42): one job secret for the session, in a
+    private folder outside the checkout, inherited by every process the tests start (a test of a job without one
+    removes $FABRICLITE_JOB_SECRET_FILE from its own environment)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from fabriclite.distributed import job_secret
+
+    if os.environ.get(job_secret.SECRET_FILE_ENV):
+        return
+    folder = tempfile.mkdtemp(prefix="fabriclite-test-secret-")
+    path = os.path.join(folder, "job.secret")
+    job_secret.write_new_secret(path)
+    os.environ[job_secret.SECRET_FILE_ENV] = path
+    atexit.register(shutil.rmtree, folder, True)
+
+
+_suite_job_secret()
+
+
 # The guard for the next slow test (issue 45): a unit test (tests/unit/) that is not marked `slow` must end within
 # UNIT_TIMEOUT_S, set-up and teardown included (pytest-timeout's per-test marker, added here; the rest of the suite
 # keeps pyproject's 300 s default and its own markers). A unit test that takes long on purpose (fresh interpreters,

@@ -81,9 +81,7 @@ def host_store(address: str, port: int, timeout: timedelta) -> TCPStore:
         sock = listener(address, port)
     except OSError as err:
         if err.errno == errno.EADDRINUSE:
-            raise RendezvousError(
-                f"fabriclite: main port {port} on {address} is already in use by another process. Pick a free "
-                f"one (--main-port / MASTER_PORT), or leave it unset on one node to get a free port.") from err
+            raise RendezvousError(port_taken(address, port)) from err
         raise RendezvousError(f"fabriclite: could not start the rendezvous store on {address}:{port}: {err}") from err
     try:
         if sock is None:
@@ -93,11 +91,14 @@ def host_store(address: str, port: int, timeout: timedelta) -> TCPStore:
                         master_listen_fd=sock.detach())
     except (RuntimeError, OSError) as err:
         if port and port_in_use(address, port):
-            raise RendezvousError(
-                f"fabriclite: main port {port} on {address} is already in use by another process. Pick a free "
-                f"one (--main-port / MASTER_PORT), or leave it unset on one node to get a free port."
-            ) from err
+            raise RendezvousError(port_taken(address, port)) from err
         raise RendezvousError(f"fabriclite: could not start the rendezvous store on {address}:{port}: {err}") from err
+
+
+def port_taken(address: str, port: int) -> str:
+    """The error for a main port that another process holds."""
+    return (f"fabriclite: main port {port} on {address} is already in use by another process. Pick a free one "
+            f"(--main-port / MASTER_PORT), or leave it unset on one node to get a free port.")
 
 
 def listener(address: str, port: int) -> Optional[socket.socket]:

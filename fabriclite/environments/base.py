@@ -2,7 +2,7 @@
 
 import logging
 from abc import ABC, abstractmethod
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,12 @@ class ClusterEnvironment(ABC):
         """True when a supervisor already hosts the TCPStore at main_address:main_port and every rank, rank 0
         included, connects to it as a client."""
         return False
+
+    @property
+    def store_endpoint(self) -> Tuple[str, int]:
+        """Where a rank connects to the supervisor's store when :attr:`uses_agent_store`: the main address and
+        port unless the environment says otherwise."""
+        return self.main_address, self.main_port
 
     def validate(self, devices: int, num_nodes: int) -> None:
         """Check ``Fabric(devices=..., num_nodes=...)`` against a world created outside fabriclite.

@@ -3,7 +3,7 @@
 The launcher imports the variable names below and fills them with :func:`child_env`; nothing else should spell them.
 """
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from fabriclite.environments._vars import all_set, read_int, read_optional_int, read_port, read_str
 from fabriclite.environments.base import ClusterEnvironment
@@ -16,6 +16,10 @@ LOCAL_WORLD_SIZE_VAR = "FABRICLITE_LOCAL_WORLD_SIZE"
 NUM_NODES_VAR = "FABRICLITE_NUM_NODES"
 MAIN_ADDRESS_VAR = "MASTER_ADDR"
 MAIN_PORT_VAR = "MASTER_PORT"
+#: where this node's ranks reach the job's store when it is not the main address: their node's relay (a multi-node
+#: job with a job secret, supervision/agent/job_store.py) or node 0's store on loopback
+STORE_ADDRESS_VAR = "FABRICLITE_STORE_ADDR"
+STORE_PORT_VAR = "FABRICLITE_STORE_PORT"
 #: Forces an environment by name (read by :func:`fabriclite.environments.detect_environment`).
 FORCE_VAR = "FABRICLITE_CLUSTER_ENVIRONMENT"
 
@@ -103,3 +107,11 @@ class FabricliteEnvironment(ClusterEnvironment):
     @property
     def uses_agent_store(self) -> bool:
         return True
+
+    @property
+    def store_endpoint(self) -> Tuple[str, int]:
+        """``$FABRICLITE_STORE_ADDR`` / ``_PORT`` where the supervisor set them (behind the job secret's relay),
+        else the main address and port."""
+        if all_set((STORE_ADDRESS_VAR, STORE_PORT_VAR)):
+            return read_str(STORE_ADDRESS_VAR, self.name), read_port(STORE_PORT_VAR, self.name)
+        return self.main_address, self.main_port

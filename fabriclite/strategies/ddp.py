@@ -143,7 +143,9 @@ class DDPStrategy(ParallelStrategy):
         rank, world = env.global_rank(), env.world_size()
         address, port = env.main_address, env.main_port
         if getattr(env, "uses_agent_store", False) or _torchelastic_agent_store():
-            store: dist.Store = rendezvous.join_store(address, port, self.timeout)
+            # behind the job secret's relay this node's ranks reach the store on loopback (supervision/agent/job_store.py)
+            at = getattr(env, "store_endpoint", (address, port))
+            store: dist.Store = rendezvous.join_store(at[0], at[1], self.timeout)
             store = meeting.round_store(store, int(os.environ.get(rendezvous.ROUND_ENV, "0") or 0))
             if _torchelastic_agent_store():  # one store for every round; the agents' restart counts may differ
                 store = dist.PrefixStore(meeting.launch_namespace(store, rank, world, self.timeout), store)

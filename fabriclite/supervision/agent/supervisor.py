@@ -27,7 +27,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from fabriclite.distributed import rendezvous
+from fabriclite.distributed import job_secret, rendezvous
 from fabriclite.distributed.control_plane import failure_flag, liveness, meeting
 from fabriclite.distributed.store_client import StoreClient
 from fabriclite.environments.fabriclite_env import child_env
@@ -48,6 +48,7 @@ from fabriclite.supervision.agent.restarts import MAX_RESTARTS_ENV, RestartPolic
 from fabriclite.supervision.agent.round_ranks import POLL_S, RoundRanks
 from fabriclite.supervision.agent import heartbeat, supervisor_signals
 from fabriclite.supervision.agent.heartbeat import NodeHeartbeat
+from fabriclite.supervision.agent.job_store import JobStore
 from fabriclite.supervision.processes.stopping import print_summary
 
 DEFAULT_MULTI_NODE_PORT = 29500
@@ -83,6 +84,8 @@ class Supervisor:
     ) -> None:
         if layout.num_nodes > 1 and not main_port:
             main_port = DEFAULT_MULTI_NODE_PORT  # every node must agree; one node alone picks a free port
+        #: the job secret (None: one node, --insecure, --fault-tolerant); JobSecretError before anything starts
+        self.secret = job_secret.for_job(layout.num_nodes, live is not None)
         self.layout = layout
         self.main_address = main_address
         self.main_port = main_port
@@ -98,6 +101,7 @@ class Supervisor:
         self._store: Any = None
         self._raw_store: Any = None
         self._tcp_store: Any = None
+        self.job_store: Optional[JobStore] = None
         #: the heartbeat timeout (control_plane/liveness.py): a node lost for this long ends the job
         self.loss_s = liveness.loss_timeout(timeout.total_seconds())
         #: a node was lost (this one lost the store, or node 0 lost another): no restart can bring it back
@@ -136,11 +140,12 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the job's store
     def _open_store(self) -> None:
-        if self.layout.node_rank == 0:
-            self._tcp_store = rendezvous.host_store(self.main_address, self.main_port, self.timeout)
-            self.main_port = self._tcp_store.port
-        else:
-            self._tcp_store = rendezvous.join_store(self.main_address, self.main_port, self.timeout)
+        self.job_store = JobStore(self.layout.node_rank, self.main_address, self.main_port, self.timeout, self.secret,
+                                  lambda peer, why: self.record.emit("store_refused", peer=peer, why=why))
+        self.job_store.open()
+        self._tcp_store, self.main_port = self.job_store.tcp, self.job_store.port
+        if self.layout.num_nodes > 1 and self.secret is None and self.live is None and self.layout.node_rank == 0:
+            job_secret.say_insecure(f"{self.main_address}:{self.main_port}")  # --insecure: one line, node 0
         # every request of this supervisor has a deadline, and none outlasts a signal (distributed/store_client.py)
         self._raw_store = StoreClient(self._tcp_store, f"{self.main_address}:{self.main_port}", self.loss_s,
                                       lambda: self._signal is not None)
@@ -173,6 +178,7 @@ class Supervisor:
             MAX_RESTARTS_ENV: str(self.restarts.max_restarts), **self.preemption.options.child_env(),
         })
         values.update(self.record.rank_env())
+        values.update(self.job_store.rank_env() if self.job_store is not None else {})
         values.update(self.progress.rank_env(local_rank))
         values.update(self.hangs.rank_env(local_rank, self.extra_env.get("PYTHONPATH",
                                                                           os.environ.get("PYTHONPATH", ""))))
@@ -243,6 +249,8 @@ class Supervisor:
                     self._reaper.forget(self._lighthouse.pid)
             if self._beacon is not None:
                 self._beacon.close()
+            if self.job_store is not None:
+                self.job_store.close()
             if self._reaper is not None:
                 self._reaper.close()
             restore()
