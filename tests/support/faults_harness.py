@@ -203,7 +203,7 @@ class Job:
 
 def clean_env(extra: Dict[str, str]) -> Dict[str, str]:
     """This environment without cluster variables (so nothing leaks in from an outer launcher)."""
-    cluster = re.compile(r"^(SLURM_|OMPI_|PMI_|PMIX_|MV2_|LSB_|JSM_|TORCHELASTIC_|FABRICLITE_|MASTER_ADDR$|"
+    cluster = re.compile(r"^(SLURM_|OMPI_|PMI_|PMIX_|MV2_|LSB_|JSM_|TORCHELASTIC_|FABRICLITE_(?!JOB_SECRET_FILE$)|MASTER_ADDR$|"
                          r"MASTER_PORT$|RANK$|WORLD_SIZE$|LOCAL_RANK$|LOCAL_WORLD_SIZE$|NODE_RANK$|GROUP_RANK$)")
     env = {k: v for k, v in os.environ.items() if not cluster.match(k)}
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})

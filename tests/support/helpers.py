@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: variables through which a scheduler or launcher tells a process who it is
 CLUSTER_VARS = re.compile(
-    r"^(SLURM_|OMPI_|PMI_|PMIX_|MV2_|LSB_|JSM_|TORCHELASTIC_|FABRICLITE_|MASTER_ADDR$|MASTER_PORT$|RANK$|"
+    r"^(SLURM_|OMPI_|PMI_|PMIX_|MV2_|LSB_|JSM_|TORCHELASTIC_|FABRICLITE_(?!JOB_SECRET_FILE$)|MASTER_ADDR$|MASTER_PORT$|RANK$|"
     r"WORLD_SIZE$|LOCAL_RANK$|LOCAL_WORLD_SIZE$|NODE_RANK$|GROUP_RANK$|XRT_|TPU_|PJRT_)"
 )
 

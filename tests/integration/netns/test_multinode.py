@@ -25,7 +25,7 @@ FABRIC_KWARGS = json.dumps({"devices": PER_NODE, "num_nodes": NODES})
 JOB_TIMEOUT_S = 180
 #: variables through which a scheduler or launcher tells a process who it is: never inherited by a job
 CLUSTER_VARS = re.compile(
-    r"^(SLURM_|OMPI_|PMI_|PMIX_|MV2_|LSB_|JSM_|TORCHELASTIC_|FABRICLITE_|GLOO_|MASTER_ADDR$|MASTER_PORT$|RANK$|"
+    r"^(SLURM_|OMPI_|PMI_|PMIX_|MV2_|LSB_|JSM_|TORCHELASTIC_|FABRICLITE_(?!JOB_SECRET_FILE$)|GLOO_|MASTER_ADDR$|MASTER_PORT$|RANK$|"
     r"WORLD_SIZE$|LOCAL_RANK$|LOCAL_WORLD_SIZE$|NODE_RANK$|GROUP_RANK$)"
 )
 
