@@ -144,6 +144,26 @@ def join_store(address: str, port: int, timeout: timedelta) -> TCPStore:
     ``address:port``, then joins the store. Raises RendezvousError naming the address and port when
     nobody answers in time, or when what answers is not a rendezvous store.
     """
+    connect_s = reach(address, port, timeout)
+    # TCPStore's handshake can wait forever on a server that accepts and never answers: bound it here
+    result: List[Any] = []
+    thread = threading.Thread(target=_connect, args=(address, port, connect_s, result), daemon=True,
+                              name="fabriclite-store-connect")
+    thread.start()
+    thread.join(connect_s + 1.0)
+    if not result:
+        raise RendezvousError(not_a_store(address, port, f"no answer to the handshake within {connect_s + 1:.0f} s"))
+    if isinstance(result[0], BaseException):
+        raise RendezvousError(not_a_store(address, port, str(result[0]))) from result[0]
+    store = result[0]
+    store.set_timeout(timeout)
+    return store
+
+
+def reach(address: str, port: int, timeout: timedelta) -> float:
+    """Wait (signals handled) until something accepts connections at ``address:port``; the seconds a handshake
+    there may then take (what is left of ``timeout``, 1 to 10 s). RendezvousError naming the address, the port and
+    what to check when nobody answers within ``timeout``."""
     deadline = time.monotonic() + timeout.total_seconds()
     try:
         wait_listening(address, port, timeout)
@@ -152,22 +172,13 @@ def join_store(address: str, port: int, timeout: timedelta) -> TCPStore:
             f"fabriclite: could not reach the rendezvous store at {address}:{port} {err}. Check that "
             f"node 0 is started, that {address} is reachable from this host and that port {port} is open."
         ) from None
-    connect_s = min(max(deadline - time.monotonic(), 1.0), 10.0)
-    wrong = (f"fabriclite: something answers at {address}:{port}, but it is not a rendezvous store that accepted "
-             f"this client{{}}. Check --main-address / --main-port (MASTER_ADDR / MASTER_PORT).")
-    # TCPStore's handshake can wait forever on a server that accepts and never answers: bound it here
-    result: List[Any] = []
-    thread = threading.Thread(target=_connect, args=(address, port, connect_s, result), daemon=True,
-                              name="fabriclite-store-connect")
-    thread.start()
-    thread.join(connect_s + 1.0)
-    if not result:
-        raise RendezvousError(wrong.format(f" (no answer to the handshake within {connect_s + 1:.0f} s)"))
-    if isinstance(result[0], BaseException):
-        raise RendezvousError(wrong.format(f" ({result[0]})")) from result[0]
-    store = result[0]
-    store.set_timeout(timeout)
-    return store
+    return min(max(deadline - time.monotonic(), 1.0), 10.0)
+
+
+def not_a_store(address: str, port: int, why: str) -> str:
+    """The error for a main address and port where something answers that is not the job's store."""
+    return (f"fabriclite: something answers at {address}:{port}, but it is not a rendezvous store that accepted "
+            f"this client ({why}). Check --main-address / --main-port (MASTER_ADDR / MASTER_PORT).")
 
 
 def wait_listening(address: str, port: int, timeout: timedelta, alive: Callable[[], bool] = lambda: True) -> None:

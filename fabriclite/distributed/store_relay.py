@@ -68,30 +68,34 @@ def client_proof(secret: bytes, hello: bytes) -> Tuple[bytes, bytes]:
 
 def verify_secret(address: str, port: int, secret: bytes, timeout_s: float) -> None:
     """Prove ``secret`` to the relay at ``address:port`` once (a connection that is then closed), waiting in Python
-    until it listens (signals are handled meanwhile). RendezvousError when nothing answers in ``timeout_s``;
-    JobSecretRefused, naming the address and the job secret, when the relay refuses the proof or proves another
-    secret."""
-    where = f"{address}:{port}"
+    until it listens (signals are handled meanwhile). RendezvousError when nothing answers within ``timeout_s`` or
+    what answers is no relay; JobSecretRefused, naming the address and the job secret, when the relay refuses the
+    proof or proves another secret."""
     from datetime import timedelta
 
-    rendezvous.wait_listening(address, port, timedelta(seconds=timeout_s))
-    refused = JobSecretRefused(
-        f"fabriclite: node 0's store at {where} refused this node's job secret: every node must be given the same "
-        f"file (--job-secret-file / $FABRICLITE_JOB_SECRET_FILE, docs/security.md)")
-    with socket.create_connection((address, port), timeout=min(max(timeout_s, 1.0), 5.0)) as sock:
-        try:
-            proof, expected = client_proof(secret, _read_exactly(sock, HELLO_BYTES))
+    where = f"{address}:{port}"
+    handshake_s = rendezvous.reach(address, port, timedelta(seconds=timeout_s))
+    try:
+        with socket.create_connection((address, port), timeout=handshake_s) as sock:
+            hello = _read_exactly(sock, HELLO_BYTES)
+            try:
+                proof, expected = client_proof(secret, hello)
+            except ValueError:
+                raise rendezvous.RendezvousError(rendezvous.not_a_store(
+                    address, port, "it is no job store with a job secret: was node 0 given --job-secret-file "
+                                   "too?")) from None
             sock.sendall(proof)
             answer = _read_exactly(sock, MAC_BYTES)
-        except ValueError:
-            raise JobSecretRefused(f"fabriclite: what answers at {where} is not a fabriclite job's store with a job "
-                                   f"secret (check --main-address / --main-port, and that node 0 was given "
-                                   f"--job-secret-file too)") from None
-        except (ConnectionError, EOFError):
-            raise refused from None
-        if not hmac.compare_digest(answer, expected):
-            raise JobSecretRefused(f"fabriclite: node 0's store at {where} proved another job secret than this "
-                                   f"node's: every node must be given the same file (--job-secret-file)")
+    except socket.timeout:
+        raise rendezvous.RendezvousError(rendezvous.not_a_store(
+            address, port, f"no answer to the handshake within {handshake_s:.0f} s")) from None
+    except (ConnectionError, EOFError):
+        raise JobSecretRefused(
+            f"fabriclite: node 0's store at {where} refused this node's job secret: every node must be given the "
+            f"same file (--job-secret-file / $FABRICLITE_JOB_SECRET_FILE, docs/security.md)") from None
+    if not hmac.compare_digest(answer, expected):
+        raise JobSecretRefused(f"fabriclite: node 0's store at {where} proved another job secret than this node's: "
+                               f"every node must be given the same file (--job-secret-file)")
 
 
 def _read_exactly(sock: socket.socket, count: int) -> bytes:

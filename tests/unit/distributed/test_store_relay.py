@@ -70,7 +70,7 @@ def test_a_bare_store_client_gets_nothing(relayed):
     store, server, refused = relayed
     keys = store.num_keys()
     with pytest.raises(Exception):
-        TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=1)).set("fabriclite//failure", "forged")
+        TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=2)).set("fabriclite//failure", "forged")
     assert store.num_keys() == keys and not store.check(["fabriclite//failure"])
     assert refused  # turned away (its first bytes are not a proof)
 
