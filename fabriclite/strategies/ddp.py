@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 import weakref
 from contextlib import nullcontext
 from datetime import timedelta
@@ -153,6 +154,8 @@ class DDPStrategy(ParallelStrategy):
             store = rendezvous.host_store(address, port, self.timeout)
         else:
             store = rendezvous.join_store(address, port, self.timeout)
+        if rank == 0 and getattr(env, "name", "") != "fabriclite" and not rendezvous.is_loopback_name(address):
+            warnings.warn(open_store_warning(env, address, port), UserWarning, stacklevel=2)
         self._store = dist.PrefixStore(keys.PREFIX, store)
         meeting.wait_for_ranks(self._store, keys.ARRIVED, rank, world, self.timeout, where=f"{address}:{port}")
         backend = self._backend()
@@ -383,6 +386,14 @@ class DDPStrategy(ParallelStrategy):
 
     def _object_device(self) -> torch.device:
         return self.root_device if self._backend() == "nccl" else torch.device("cpu")
+
+
+def open_store_warning(env: Any, address: str, port: int) -> str:
+    """The one warning of a job met through a launcher's store that fabriclite does not guard (torchrun, srun,
+    mpirun: docs/security.md)."""
+    return (f"fabriclite: this job's store at {address}:{port} is the {getattr(env, 'name', 'launcher')} launcher's "
+            f"and accepts anyone who can reach it (no job secret guards it); run on a private network, or start the "
+            f"job with `fabriclite run --job-secret-file FILE` (docs/security.md)")
 
 
 def _torchelastic_agent_store() -> bool:

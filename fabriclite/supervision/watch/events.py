@@ -32,6 +32,8 @@ across restarts and requeues), ``time`` (unix seconds), ``node``, ``event`` and 
 ``steps``              (version 2) each rank's optimizer steps per second, every ``$FABRICLITE_STEPS_EVERY`` s
                        (default 10; 0: off) while they step (``round``, ``seconds``: the interval, ``steps`` and
                        ``per_second``: global rank -> steps in the round so far / per second over the interval)
+``store_refused``      node 0's relay turned a connection away: no job secret proved (``peer``, ``why``; once per
+                       peer host and reason)
 ``job_end``            the supervisor ends (``exit_code``)
 =====================  =====================================================================================
 """
