@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "tests" / "integration" / "netns"))
 
 from cluster import Cluster, lifetime, unavailable_reason  # noqa: E402
 from common import Results, table  # noqa: E402
+from fabriclite.distributed import job_secret  # noqa: E402
 
 JOB = REPO / "tests" / "integration" / "netns" / "network_faults_job.py"
 PEER = HERE / "network_faults_peer.py"
@@ -47,12 +48,16 @@ def start(cluster: Cluster, side: str, out: Path) -> List[subprocess.Popen]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("FABRICLITE_", "MASTER_", "SLURM_"))}
     base.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), STEPS="100000",
                 OUT=str(out / f"{side}.pt"))
+    secret = out / "job.secret"  # fabriclite's jobs run closed, as a user's must (docs/security.md)
+    if not secret.exists():
+        job_secret.write_new_secret(str(secret))
     procs = []
     for k in range(NODES):
         if side == "fabriclite":
             cmd = [sys.executable, "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "1",
                    "--num-nodes", str(NODES), "--node-rank", str(k), "--main-address", cluster.host(0),
-                   "--main-port", str(port), "--timeout", "30", "--heartbeat-timeout", str(HEARTBEAT_S), str(JOB)]
+                   "--main-port", str(port), "--timeout", "30", "--heartbeat-timeout", str(HEARTBEAT_S),
+                   "--job-secret-file", str(secret), str(JOB)]
             env = base
         else:
             cmd = [sys.executable, str(PEER), side]

@@ -16,12 +16,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from cluster import Cluster, lifetime, unavailable_reason  # noqa: E402
 
-NUM_NODES = 3
+#: three hosts for the jobs, and a fourth that joins no job: the hostile-network test's attacker
+NUM_NODES = 4
 
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
-    """Three nodes: ``cluster.exec(node, cmd, env, **popen_kwargs) -> Popen`` runs in node 0, 1 or 2
+    """Four nodes: ``cluster.exec(node, cmd, env, **popen_kwargs) -> Popen`` runs in node 0, 1, 2 or 3
     (address ``cluster.addr(node)``, hostname ``cluster.host(node)``)."""
     reason = unavailable_reason()
     if reason:
