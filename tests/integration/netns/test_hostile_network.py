@@ -93,11 +93,21 @@ class Job:
                          for k, p in enumerate(self.procs))
 
 
-def _run_in(cluster: Cluster, cmd: List[str], env: dict) -> Tuple[Optional[int], str, str]:
-    """Run ``cmd`` in the hostile namespace: its exit code, stdout and stderr."""
-    proc = cluster.exec(HOSTILE, cmd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=120)
-    return proc.returncode, out, err
+def _run_in(cluster: Cluster, cmd: List[str], env: dict, folder: Path, timeout: float = 120) -> Tuple[int, str, str]:
+    """Run ``cmd`` in the hostile namespace: its exit code, stdout and stderr (files in ``folder``); killed, with
+    what it said, after ``timeout``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out, err = folder / "out", folder / "err"
+    with out.open("w") as o, err.open("w") as e:
+        proc = cluster.exec(HOSTILE, cmd, env, stdout=o, stderr=e)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        left = cluster.pids(HOSTILE)
+        cluster.kill_all()
+        raise AssertionError(f"{cmd} still running after {timeout:.0f} s (processes {left}):\n"
+                             f"{out.read_text()[-2000:]}\n{err.read_text()[-3000:]}") from None
+    return proc.returncode, out.read_text(), err.read_text()
 
 
 def _cmdlines() -> List[bytes]:
@@ -120,7 +130,7 @@ def test_strangers_on_the_network_change_nothing(cluster: Cluster, tmp_path: Pat
     job.wait_for_attack_step()
     assert not any(secret in line for line in _cmdlines()), "the job secret is on a command line"
     host0 = cluster.host(0)
-    code, out, err = _run_in(cluster, [sys.executable, ATTACKER, host0, str(job.port)], _env())
+    code, out, err = _run_in(cluster, [sys.executable, ATTACKER, host0, str(job.port)], _env(), tmp_path / "attack")
     results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert {r["attack"] for r in results} == {
         "forged_failure", "forged_restart_decision", "rank_zero_first_release", "check_in_count",
@@ -137,13 +147,13 @@ def test_strangers_on_the_network_change_nothing(cluster: Cluster, tmp_path: Pat
     from fabriclite.distributed import job_secret
     job_secret.write_new_secret(str(wrong))
     started = time.monotonic()
-    assert _run_in(cluster, [sys.executable, "-c", "import fabriclite.cli"], _env())[0] == 0
+    assert _run_in(cluster, [sys.executable, "-c", "import fabriclite.cli"], _env(), tmp_path / "startup")[0] == 0
     startup = time.monotonic() - started
     started = time.monotonic()
     code, _, err = _run_in(cluster, [
         sys.executable, "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "1", "--num-nodes",
         str(NODES), "--node-rank", "2", "--main-address", host0, "--main-port", str(job.port),
-        "--job-secret-file", str(wrong), JOB], _env(FABRICLITE_JOB_SECRET_FILE=str(wrong)))
+        "--job-secret-file", str(wrong), JOB], _env(FABRICLITE_JOB_SECRET_FILE=str(wrong)), tmp_path / "intruder", 60)
     took = time.monotonic() - started
     assert code not in (0, None), err
     assert f"{host0}:{job.port}" in err and "job secret" in err, err

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import pytest
 from torch.distributed import HashStore
 
-from fabriclite.distributed import rendezvous
+from fabriclite.distributed import job_secret, rendezvous, store_relay
 from fabriclite.distributed.control_plane import failure_flag, keys, liveness, meeting
 from fabriclite.distributed.store_client import RequestAbandoned, StoreClient, StoreUnreachable
 from helpers import free_port
@@ -28,6 +28,20 @@ def relayed() -> Iterator[tuple]:
     proxy = SilentProxy(("127.0.0.1", server.port)).start()
     yield server, proxy
     proxy.close()
+
+
+@pytest.fixture()
+def guarded() -> Iterator[tuple]:
+    """(store server, the silent relay in front of node 0's authenticating relay in front of it): the way a
+    supervisor of another node reaches the store with the suite's job secret (supervision/agent/job_store.py)."""
+    server = rendezvous.host_store("127.0.0.1", 0, timedelta(seconds=30))
+    secret = job_secret.for_job(2)
+    assert secret is not None, "the suite runs with a job secret (tests/conftest.py)"
+    relay = store_relay.RelayServer("127.0.0.1", 0, secret, ("127.0.0.1", server.port))
+    proxy = SilentProxy(("127.0.0.1", relay.port)).start()
+    yield server, proxy
+    proxy.close()
+    relay.close()
 
 
 def _client(proxy: SilentProxy, deadline_s: float, interrupted: Callable[[], bool] = lambda: False) -> StoreClient:
@@ -173,8 +187,8 @@ def _when_pulsed(server: Any, node: int, then: Callable[[], None]) -> threading.
 SLEEPER = "import time; time.sleep(120)"
 
 
-def test_a_supervisor_whose_store_never_answers_ends_on_sigint_within_a_second(relayed, monkeypatch) -> None:
-    server, proxy = relayed
+def test_a_supervisor_whose_store_never_answers_ends_on_sigint_within_a_second(guarded, monkeypatch) -> None:
+    server, proxy = guarded
     monkeypatch.setenv(liveness.LOSS_ENV, "600")  # the heartbeat timeout is far: SIGINT alone ends it
     supervisor = _supervisor(1, proxy.port)
     sent = []
@@ -193,8 +207,8 @@ def test_a_supervisor_whose_store_never_answers_ends_on_sigint_within_a_second(r
     assert supervisor.summary.startswith("fabriclite: stopped every rank on node 1 on SIGINT.")
 
 
-def test_a_node_that_lost_the_store_ends_itself_naming_it(relayed, monkeypatch) -> None:
-    server, proxy = relayed
+def test_a_node_that_lost_the_store_ends_itself_naming_it(guarded, monkeypatch) -> None:
+    server, proxy = guarded
     monkeypatch.setenv(liveness.LOSS_ENV, "3")
     supervisor = _supervisor(1, proxy.port)
     silenced = []
@@ -217,7 +231,10 @@ def test_node_0_stops_its_ranks_naming_the_node_that_went_quiet(monkeypatch) -> 
     quiet = []
 
     def node_1() -> None:  # node 1's supervisor as the protocol has it: it announces, pulses, then its link goes
-        store = rendezvous.join_store("127.0.0.1", port, timedelta(seconds=30))
+        secret = job_secret.for_job(2)  # through its relay, as job_store opens it
+        store_relay.verify_secret("127.0.0.1", port, secret, 30)
+        relay = store_relay.RelayClient("127.0.0.1", port, secret)
+        store = rendezvous.join_store("127.0.0.1", relay.port, timedelta(seconds=30))
         job = meeting.job_view(store)
         liveness.announce(job, 1, "n1, 10.0.0.11")
         for _ in range(3):
