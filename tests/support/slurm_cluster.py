@@ -58,7 +58,8 @@ class SlurmCluster:
     def env(self, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         """This process's environment without another job's variables, pointed at this cluster."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "MASTER_",
-                                                                         "FABRICLITE_", "TORCHELASTIC_"))}
+                                                                         "FABRICLITE_", "TORCHELASTIC_"))
+               or k == "FABRICLITE_JOB_SECRET_FILE"}  # the suite's job secret (tests/conftest.py): jobs run closed
         env.update({"SLURM_CONF": self.conf, "PATH": os.pathsep.join([env.get("PATH", ""), *SBIN])})
         env.update(extra or {})
         return env
