@@ -216,6 +216,20 @@ class _Relay:
     def _handshake(self, link: _Link, side: str, sock: socket.socket) -> None:
         raise NotImplementedError
 
+    def _gather(self, link: _Link, sock: socket.socket, want: int, most: int) -> Optional[bytes]:
+        """Read handshake bytes into ``link.inbox`` (at most ``most`` in all): None until ``want`` have come (or
+        when the peer closed: the link is closed), then every byte read, the inbox emptied."""
+        data = sock.recv(most - len(link.inbox))
+        if not data:
+            self._close(link)
+            return None
+        link.inbox.extend(data)
+        if len(link.inbox) < want:
+            return None
+        received = bytes(link.inbox)
+        link.inbox.clear()
+        return received
+
     def _expired(self, link: _Link) -> None:
         self._close(link)
 
@@ -334,15 +348,9 @@ class RelayServer(_Relay):
         self._add(link)
 
     def _handshake(self, link: _Link, side: str, sock: socket.socket) -> None:
-        data = sock.recv(PROOF_BYTES + 1 - len(link.inbox))
-        if not data:
-            self._close(link)
+        proof = self._gather(link, sock, PROOF_BYTES, PROOF_BYTES + 1)  # one byte more: a flood shows at once
+        if proof is None:
             return
-        link.inbox.extend(data)
-        if len(link.inbox) < PROOF_BYTES:
-            return
-        proof = bytes(link.inbox)
-        link.inbox.clear()
         nonce, mac = proof[len(MAGIC):len(MAGIC) + NONCE_BYTES], proof[len(MAGIC) + NONCE_BYTES:PROOF_BYTES]
         if (len(proof) > PROOF_BYTES or not proof.startswith(MAGIC)
                 or not hmac.compare_digest(mac, _mac(self.secret, b"client", link.nonce, nonce))):
@@ -412,15 +420,9 @@ class RelayClient(_Relay):
             link.held.extend(data)
             return
         want = HELLO_BYTES if link.state == "hello" else MAC_BYTES
-        data = sock.recv(want - len(link.inbox))
-        if not data:  # refused (a wrong secret) or gone
-            self._close(link)
+        received = self._gather(link, sock, want, want)  # closed: refused (a wrong secret) or gone
+        if received is None:
             return
-        link.inbox.extend(data)
-        if len(link.inbox) < want:
-            return
-        received = bytes(link.inbox)
-        link.inbox.clear()
         if link.state == "hello":
             try:
                 proof, link.expected = client_proof(self.secret, received)
