@@ -168,9 +168,11 @@ def test_strangers_on_the_network_change_nothing(cluster: Cluster, tmp_path: Pat
     assert events and not [e for e in events if e["event"] == "failure"], events
     assert [e for e in events if e["event"] == "store_refused"], "no refusal was recorded"
     stored, unattacked = json.loads(job.keys.read_text()), json.loads(reference.keys.read_text())
-    # no key of theirs: the same keys as the unattacked run, but for the ranks' collective progress records, which
-    # the attacked run's ranks publish while they wait out the attacks in an all-reduce (control_plane/keys.py)
+    # no key of theirs: the same keys as the unattacked run, but for the records the job writes only because the
+    # attacked run lasts longer: its ranks' collective progress (published while they wait out the attacks in an
+    # all-reduce) and its supervisors' straggler reports (one per window, two windows kept; control_plane/keys.py)
     waiting = {f"{keys.PREFIX}/{keys.collective_progress(rank)}" for rank in range(NODES)}
+    waiting |= {f"{keys.PREFIX}/{keys.straggler_report(window, node)}" for node in range(NODES) for window in (0, 1)}
     assert set(stored["keys"]) - waiting == set(unattacked["keys"]) - waiting, \
         set(stored["keys"]) ^ set(unattacked["keys"])
     assert not stored["attacker_in_a_value"] and not stored["secret_in_a_value"]
