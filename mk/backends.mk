@@ -12,7 +12,8 @@
 #                                             time) or was skipped and why, and "NOT a full run" when any was skipped
 #                                             (also in build/test-log/backends.summary: `make test` prints it again last;
 #                                             each lane's output also in build/test-log/lane-<lane>.log).
-# A failing lane fails test-backends (after the other lanes have run), and so `make test`.
+# A failing lane fails test-backends (after the other lanes have run), and so `make test`; the summary names its
+# failing tests (its pytest FAILED and ERROR lines).
 
 BACKEND_ENV := bash scripts/backend_env.sh
 BACKEND_LANES := horovod xla mpi ft data
@@ -73,5 +74,5 @@ test-backends: venv
 	done; \
 	{ echo "== backend lanes ($$ran of $(words $(BACKEND_LANES)) ran, $$(( $$(date +%s) - t_all )) s):"; printf '%b\n' "$$summary" | sed '/^$$/d'; \
 	  if [ "$$ran" -lt $(words $(BACKEND_LANES)) ]; then echo "== NOT a full run: the skipped lanes' backends were not tested"; fi; \
-	  if [ -n "$$failed" ]; then echo "== backend lanes failed:$$failed"; fi; } | tee $(TEST_LOG)/backends.summary; \
+	  if [ -n "$$failed" ]; then echo "== backend lanes failed:$$failed"; for f in $$failed; do l=$${f#test-}; l=$${l#engine-}; grep -E "^(FAILED|ERROR) " $(TEST_LOG)/lane-$$l.log 2>/dev/null | cut -c1-240 | head -8 | sed "s/^/==     $$l: /"; done; fi; } | tee $(TEST_LOG)/backends.summary; \
 	if [ -n "$$failed" ]; then exit 1; fi

@@ -62,5 +62,5 @@ test-engines: venv
 	done; \
 	{ echo "== engine lanes ($$ran of $(words $(ENGINE_LANES)) ran, $$(( $$(date +%s) - t_all )) s):"; printf '%b\n' "$$summary" | sed '/^$$/d'; \
 	  if [ "$$ran" -lt $(words $(ENGINE_LANES)) ]; then echo "== NOT a full run: the skipped engine lanes were not tested"; fi; \
-	  if [ -n "$$failed" ]; then echo "== engine lanes failed:$$failed"; fi; } | tee $(TEST_LOG)/engines.summary; \
+	  if [ -n "$$failed" ]; then echo "== engine lanes failed:$$failed"; for f in $$failed; do l=$${f#test-}; l=$${l#engine-}; grep -E "^(FAILED|ERROR) " $(TEST_LOG)/lane-$$l.log 2>/dev/null | cut -c1-240 | head -8 | sed "s/^/==     $$l: /"; done; fi; } | tee $(TEST_LOG)/engines.summary; \
 	if [ -n "$$failed" ]; then exit 1; fi
