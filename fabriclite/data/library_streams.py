@@ -146,8 +146,21 @@ class LibraryStream:
         if resume is not None:
             self.dataset.load_state_dict(dict(resume["state"]))
         elif int(self.dataset.next_epoch) != int(epoch):
-            template = self.dataset.state_dict(0, True)
-            self.dataset.load_state_dict({**template, "epoch": int(epoch), "sample_in_epoch": 0})
+            self.dataset.load_state_dict(self._epoch_start(int(epoch)))
+
+    def _epoch_start(self, epoch: int) -> Dict[str, Any]:
+        """A Streaming state at the start of ``epoch``, made from the dataset's settings. Not from its
+        ``state_dict()``: that reads the node's shared resume block, which another rank may have created and not yet
+        written (its ``load_state_dict`` of this same state): the read fails on this rank, and the other ranks'
+        workers wait for this rank's in Streaming's node barrier for ever."""
+        nodes = int(self.dataset._parallel_rank_world.num_nodes)
+        canonical = self.dataset.num_canonical_nodes
+        if not canonical:  # what Streaming's own _resume picks when none was given
+            canonical = 64 * nodes if self.dataset.shuffle_algo in ("py1s", "py2s") else nodes
+        initial = self.dataset.initial_physical_nodes
+        return {"epoch": epoch, "sample_in_epoch": 0, "num_canonical_nodes": int(canonical),
+                "shuffle_seed": int(self.dataset.shuffle_seed),
+                "initial_physical_nodes": nodes if initial is None else int(initial)}
 
 
 def describe(kind: str) -> str:

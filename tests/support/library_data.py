@@ -71,4 +71,17 @@ def library_loader(kind: str, root: str, batch: int, workers: int, options: Dict
     raise ValueError(kind)
 
 
-__all__ = ["KINDS", "library_loader", "write_datasets"]
+def blank_resume_block(dataset: Any) -> Any:
+    """The node's shared resume block of the Streaming ``dataset``, created and left unwritten (as a rank's
+    ``load_state_dict`` leaves it between creating and writing it: what another rank may read then); the block, to
+    keep open."""
+    import mmap
+
+    from streaming.base.constant import RESUME
+    from streaming.base.shared import SharedMemory
+    from streaming.base.shared.prefix import _get_path
+
+    return SharedMemory(name=_get_path(dataset._shm_prefix_int, RESUME), create=True, size=mmap.PAGESIZE)
+
+
+__all__ = ["KINDS", "blank_resume_block", "library_loader", "write_datasets"]

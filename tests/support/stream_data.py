@@ -141,9 +141,11 @@ def indices(batch: Any) -> List[int]:
 
 def train(fabric: Any, kind: str, directory: str, attempt: str, length: int, batch: int, workers: int,
           epochs: int, save_at: Optional[int] = None, stop_at: Optional[int] = None, resume: Optional[str] = None,
-          persistent: bool = False, shards: int = 8, ignore: bool = False) -> Dict[str, Any]:
+          persistent: bool = False, shards: int = 8, ignore: bool = False,
+          blank_resume: bool = False) -> Dict[str, Any]:
     """One attempt of the loop (see the module docstring); returns ``{"resumed_step", "steps", "warnings",
-    "error", "epoch_batches"}`` (the error's text when loading raised)."""
+    "error", "epoch_batches"}`` (the error's text when loading raised). ``blank_resume``: rank 0 creates its
+    Streaming dataset's shared resume block and leaves it unwritten (``library_data.blank_resume_block``)."""
     allow_workers()
     rank, world = fabric.global_rank, fabric.world_size
     if kind in ("litdata", "litdata-shuffled", "streaming", "streaming-shuffled", "wds"):
@@ -151,8 +153,14 @@ def train(fabric: Any, kind: str, directory: str, attempt: str, length: int, bat
         # Streaming and webdataset read them
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(fabric.local_rank),
                           LOCAL_WORLD_SIZE=str(world))
-    loader = fabric.setup_dataloaders(make_loader(kind, length, batch, workers, rank, world, persistent, shards,
-                                                  os.path.join(directory, os.pardir, "data")))
+    built = make_loader(kind, length, batch, workers, rank, world, persistent, shards,
+                        os.path.join(directory, os.pardir, "data"))
+    if blank_resume:
+        from library_data import blank_resume_block
+
+        block = blank_resume_block(built.dataset) if rank == 0 else None  # noqa: F841 (kept open to the end)
+        fabric.barrier()  # every rank's load_state_dict finds it made, unwritten
+    loader = fabric.setup_dataloaders(built)
     if ignore:
         loader.ignore_stream_position()
     state: Dict[str, Any] = {"loader": loader, "step": 0}
