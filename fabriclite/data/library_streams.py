@@ -9,7 +9,9 @@ take arguments (litdata's dataset: the samples yielded, the workers, the batch s
 and ``from_beginning``), so they are not the no-argument state ``worker_snapshots`` takes inside each worker: the
 loader is iterated as it is (no wrapper), and the position is the library's own state, taken in the main process
 from the batches the loop consumed (:meth:`LibraryStream.state`) and handed back to the library before the resumed
-epoch's first batch (:meth:`LibraryStream.start`). The state is plain (dicts, lists, str, int, float, bool, None:
+epoch's first batch (:meth:`LibraryStream.start`). At another world size or number of workers, Streaming resumes
+from any position (every sample once, at most W' - 1 repeats, counted by :meth:`LibraryStream.padding`); litdata
+from whole rounds of the new sizes' batches, else ``StreamPositionError`` (:meth:`LibraryStream.refusal`). The state is plain (dicts, lists, str, int, float, bool, None:
 loadable with ``weights_only=True``).
 
 Neither library is imported here: a loader is recognised by the modules its classes come from (:func:`library_of`).
@@ -112,10 +114,19 @@ class LibraryStream:
 
     def refusal(self, saved: Dict[str, Any], num_workers: int) -> Optional[str]:
         """Why the position ``saved`` (:meth:`state`, from another world size or number of workers) cannot be
-        resumed here, or None. Both libraries deal an epoch's rest in whole global batches of this run's size (batch
-        size x world size x workers): litdata rounds the samples consumed down to such a batch, and Streaming's shuffled order
-        skips some samples from another position. Every sample once (at most W' - 1 repeats) holds only from a
-        position that is a whole number of such rounds (found so on both pinned versions; a conservative bound)."""
+        resumed here, or None.
+
+        MosaicML Streaming: never. Its epoch is one order of samples that does not depend on the world size (with
+        ``num_canonical_nodes`` fixed), a rank's batches are its consecutive samples of that order, so the samples
+        consumed are the first ``samples`` of it, whatever the sizes; it drops exactly those and deals the rest
+        sample by sample over this run's ranks, padded with at most W' - 1 repeats (:meth:`padding`).
+
+        litdata deals an epoch's rest in whole global batches of this run's size: it rounds the samples consumed
+        down to such a batch (repeating the samples past it). Every sample once (at most W' - 1 repeats) holds only
+        from a position that is a whole number of rounds of batch size x world size x workers (found so on the
+        pinned version; a conservative bound)."""
+        if self.kind == "streaming":
+            return None
         batch, workers = int(self.loader.batch_size or 1), max(1, int(num_workers))
         step = batch * self.world_size * workers
         samples = int(saved["samples"])
@@ -123,12 +134,28 @@ class LibraryStream:
             return None
         old = int(saved["world_size"]) * batch
         fit = next(b for b in range(1, step + 1) if (b * old) % step == 0)
-        return (f"{LIBRARIES[self.kind][0]} resumes at another size from whole rounds of this run's batches only "
+        return (f"litdata resumes at another size from whole rounds of this run's batches only "
                 f"(batch size x world size x workers = {batch} x {self.world_size} x {workers} = {step} samples "
-                f"here), and the position is {samples} "
-                f"samples into the epoch, not a multiple of {step}: it would skip or repeat samples (litdata rounds "
-                "the position down; Streaming's order skips some). Save at a batch that is a multiple of "
-                f"{fit} (at {saved['world_size']} ranks) to move to {self.world_size} ranks")
+                f"here), and the position is {samples} samples into the epoch, not a multiple of {step}: litdata "
+                f"rounds the position down, and would repeat up to {step - 1} samples. Save at a batch that is a "
+                f"multiple of {fit} (at {saved['world_size']} ranks) to move to {self.world_size} ranks")
+
+    def padding(self, saved: Dict[str, Any], num_workers: int) -> int:
+        """The samples the library repeats in the epoch's rest resumed from ``saved`` at this run's sizes, so that
+        every rank yields as many (Streaming pads the rest to whole rounds of its ranks; at most W' - 1). Computed by
+        the library's own partition of the rest (0 for litdata: it resumes only from whole rounds)."""
+        if self.kind != "streaming":
+            return 0
+        from streaming.base.partition import get_partitions  # the user's loader is a Streaming one: imported
+
+        world = self.dataset._parallel_rank_world
+        state = saved["state"]
+        drop = int(state.get("sample_in_epoch", saved["samples"]))
+        ids = get_partitions(self.dataset.partition_algo, int(self.dataset.epoch_size),
+                             int(state.get("num_canonical_nodes") or self.dataset.num_canonical_nodes or 1),
+                             int(world.num_nodes), int(world.ranks_per_node), max(1, int(num_workers)),
+                             int(self.loader.batch_size or 1), drop, state.get("initial_physical_nodes"))
+        return int((ids >= 0).sum()) - (int(self.dataset.epoch_size) - drop)
 
     # ------------------------------------------------------------------ iterating
     def start(self, epoch: int, resume: Optional[Dict[str, Any]], resume_batches: int = 0) -> None:

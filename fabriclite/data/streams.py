@@ -110,11 +110,14 @@ class Streams:
                 if why is not None:
                     self._pending = None
                     raise stream_kinds.refuse(state, self.world_size, self.num_workers, why)
+                padded = self.library.padding(state["library"], self.num_workers)
                 elastic_dealing.note(
                     f"the stream's position was saved by {stream_kinds.sizes(*saved)} and this run has "
                     f"{stream_kinds.sizes(self.world_size, self.num_workers)}: epoch {epoch} continues from "
                     f"{library_streams.LIBRARIES[self.kind][0]}'s own state (its elastic resume), which deals the "
-                    "epoch's rest over this run's ranks and workers.", self.rank == 0)
+                    f"epoch's rest over this run's ranks and workers: {padded} sample{'' if padded == 1 else 's'} "
+                    f"repeated as padding (at most {self.world_size - 1}, as DistributedSampler pads).",
+                    self.rank == 0)
             return 0
         if "torchdata" in state:
             self._pending = {"how": "torchdata", "state": state["torchdata"][self.rank], "batch": batch}

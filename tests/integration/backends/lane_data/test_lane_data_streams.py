@@ -6,12 +6,14 @@ Each attempt runs ``stream_data.train`` on the ranks of a shared pool (2 or 3 ra
 consumed with its epoch and step (``sample_accounting``), saves at one step and stops a few steps later (a job killed
 after its checkpoint); the next attempt loads that checkpoint. litdata and Streaming keep their own position, so every
 move resumes from it: at the same sizes exactly; at another world size or number of workers with every sample of the
-epoch once, plus at most W' - 1 repeats, and every rank the same number of batches. webdataset has no state of its
-own: replayed at the same sizes, StreamPositionError at another.
+epoch once, plus at most W' - 1 repeats, and every rank the same number of batches (Streaming from any position, the
+padding counted in the warning; litdata from whole rounds of the new sizes' batches, else StreamPositionError).
+webdataset has no state of its own: replayed at the same sizes, StreamPositionError at another.
 """
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from typing import Any, Dict, List
@@ -196,20 +198,59 @@ def wrong_ranks(fabric: Any, library: str, root: str) -> str:
     return ""
 
 
-@pytest.mark.parametrize("library", LIBRARIES)
-def test_a_position_between_global_batches_of_the_new_size_raises(pool2: Any, pool3: Any, base: str,
-                                                                  library: str) -> None:
-    """Saved at batch 5 of 2 ranks (40 samples), resumed at 3 ranks (global batches of 12): the libraries would skip
-    or repeat samples from there (litdata rounds the position down; Streaming's shuffled order drops some), so
-    StreamPositionError before the first batch, naming both sizes and a batch that moves."""
-    directory = case(base, f"between-{library}")
-    attempt(pool2, library, directory, "a0", save_at=5, stop_at=5)
-    results = attempt(pool3, library, directory, "a1", resume=checkpoint(directory))
+def test_a_litdata_position_between_global_batches_of_the_new_size_raises(pool2: Any, pool3: Any,
+                                                                         base: str) -> None:
+    """litdata: saved at batch 5 of 2 ranks (40 samples), resumed at 3 ranks (global batches of 12): litdata rounds
+    the position down to its global batch and would repeat the samples past it, so StreamPositionError before the
+    first batch, naming both sizes and a batch that moves."""
+    directory = case(base, "between-litdata")
+    attempt(pool2, "litdata", directory, "a0", save_at=5, stop_at=5)
+    results = attempt(pool3, "litdata", directory, "a1", resume=checkpoint(directory))
     error = results[0]["error"]
     assert error and error.startswith("StreamPositionError"), results
     for part in ("2 ranks x 2 workers", "3 ranks x 2 workers", "40 samples into the epoch", "a multiple of 3 (at 2",
                  "4 x 3 x 2 = 24"):
         assert part in error, f"{part!r} not in {error!r}"
+
+
+def named_padding(results: List[Dict[str, Any]]) -> int:
+    """The padding the one elastic warning counts (rank 0's)."""
+    found = [re.search(r"(\d+) samples? repeated as padding", w) for w in results[0]["warnings"]]
+    counts = [int(f.group(1)) for f in found if f]
+    assert len(counts) == 1, results[0]["warnings"]
+    return counts[0]
+
+
+@pytest.mark.parametrize("library,first,second,workers", [("streaming-shuffled", "pool2", "pool3", 2),
+                                                          ("streaming", "pool3", "pool2", 2),
+                                                          ("streaming-shuffled", "pool2", "pool2", 3)])
+def test_streaming_resumes_from_any_position_at_another_size(request: Any, base: str, library: str, first: str,
+                                                             second: str, workers: int) -> None:
+    """MosaicML Streaming at another world size (2 -> 3, 3 -> 2) or number of workers (2 -> 3), saved at batch 5:
+    not a whole round of the new size's batches (40 samples at 2 ranks; 60 at 3). Streaming drops exactly the samples
+    consumed and deals the rest by samples: every sample of the epoch once, plus the padding the warning counts (at
+    most W' - 1), every rank the same number of batches."""
+    a, b = request.getfixturevalue(first), request.getfixturevalue(second)
+    directory = case(base, f"any-{library}-{a.world_size}-{b.world_size}-{workers}")
+    attempt(a, library, directory, "a0", save_at=5, stop_at=6)
+    results = attempt(b, library, directory, "a1", resume=checkpoint(directory), workers=workers)
+    assert all(r["error"] is None for r in results), results
+    padding = named_padding(results)
+    extra = repeats_within(directory, b.world_size - 1)
+    assert len(extra[0]) == padding and all(not e for epoch, e in extra.items() if epoch), (extra, padding)
+    same_batches(results)
+
+
+def test_streaming_two_resumes_in_a_row_between_rounds(pool2: Any, pool3: Any, base: str) -> None:
+    """Streaming, 2 ranks (saved at batch 5: 40 samples) -> 3 ranks (saved one batch later: 52 samples, not a round
+    of either size) -> 2 ranks: every sample once plus the padding of each move (at most 2 + 1)."""
+    directory = case(base, "any-twice-streaming")
+    attempt(pool2, "streaming-shuffled", directory, "a0", save_at=5, stop_at=6)
+    attempt(pool3, "streaming-shuffled", directory, "a1", resume=checkpoint(directory), save_at=6, stop_at=7)
+    results = attempt(pool2, "streaming-shuffled", directory, "a2", resume=checkpoint(directory))
+    assert all(r["error"] is None for r in results), results
+    repeats_within(directory, 3)
+    same_batches(results)
 
 
 def test_a_litdata_dataset_that_sees_other_ranks_is_refused(pool2: Any, base: str) -> None:
