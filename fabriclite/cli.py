@@ -241,9 +241,11 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
                          "--strategy or pass --strategy ddp, diloco or local_sgd.")
     connector = Connector(accelerator=args.accelerator or "auto", strategy="ddp", devices=args.devices or 1,
                           num_nodes=1, precision=args.precision, plugins=_own_ranks(), launcher_chosen=True)
-    if connector.num_processes != 1:
-        raise UsageError(f"--fault-tolerant with --devices {args.devices}: one rank per node only (torchft 0.2's "
-                         "DDP reduces across nodes, not inside one); pass --devices 1 and one node per rank.")
+    ranks_per_group = connector.num_processes  # --devices: the ranks of this node's replica group
+    if ranks_per_group != 1 and args.strategy in ("diloco", "local_sgd"):
+        raise UsageError(f"--fault-tolerant --strategy {args.strategy} with --devices {args.devices}: DiLoCo and "
+                         "LocalSGD run one rank per replica group for now; pass --devices 1, or drop --strategy for "
+                         f"replica groups of {ranks_per_group} ranks with DDP inside each.")
     min_replicas = 1 if args.min_replicas is None else args.min_replicas
     if not 1 <= min_replicas <= num_nodes:
         raise UsageError(f"--min-replicas {min_replicas} is out of range for --num-nodes {num_nodes}; expected "
@@ -265,7 +267,8 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
                        first_quorum_timeout=first_quorum_timeout)
     strategy = args.strategy if args.strategy in FAULT_TOLERANT else "fault_tolerant"
     os.environ.update(args.strategy_env)  # also this supervisor's: node 0's lighthouse reads its join timeout
-    extra_env = {CLI_ENV["strategy"]: strategy, CLI_ENV["devices"]: "1", CLI_USED_ENV: "1", **live.to_env(),
+    extra_env = {CLI_ENV["strategy"]: strategy, CLI_ENV["devices"]: str(ranks_per_group), CLI_USED_ENV: "1",
+                 **live.to_env(),
                  **args.strategy_env,
                  "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's Rust side logs every quorum at info
     for name, value in (("accelerator", args.accelerator), ("precision", args.precision)):
@@ -275,7 +278,7 @@ def _prepare_live(args: argparse.Namespace, num_nodes: int, node_rank: int) -> T
         extra_env["FABRICLITE_TIMEOUT"] = str(args.timeout)
     output, preempt = _output_and_preempt(args)
     command = [sys.executable, args.script, *args.script_args]
-    return (command, NodeLayout(1, 0, 1), address, 0, resolve_timeout(args.timeout), output, extra_env,
+    return (command, NodeLayout(1, 0, ranks_per_group), address, 0, resolve_timeout(args.timeout), output, extra_env,
             _restart_policy(args), preempt, live)
 
 

@@ -85,6 +85,14 @@ class LiveOptions:
                    int(env[ENV["min_replicas"]]), env[ENV["address"]],
                    first_quorum_timeout=float(env.get(ENV["first_quorum_timeout"], FIRST_QUORUM_TIMEOUT_S)))
 
+    def job_ranks(self, group_rank: int, ranks_per_group: int) -> Dict[str, str]:
+        """``RANK`` / ``WORLD_SIZE`` / ``NODE_RANK`` for user code and libraries that shard their data from them
+        (a Hugging Face ``split_dataset_by_node``, a WebDataset): the rank among every group's ranks
+        (``group * R + group_rank``) and ``groups * R``, so that no two groups read the same share. fabriclite's
+        own world (``fabric.world_size``, the collectives) is the group's (``FABRICLITE_*``)."""
+        return {"RANK": str(self.group * ranks_per_group + group_rank),
+                "WORLD_SIZE": str(self.groups * ranks_per_group), "NODE_RANK": str(self.group)}
+
     @property
     def host_port(self) -> Tuple[str, int]:
         host, _, port = self.lighthouse.rpartition(":")
@@ -196,11 +204,40 @@ def status_groups(host: str, port: int) -> Optional[List[str]]:
     return live_groups(page, HEARTBEAT_TIMEOUT_MS / 1000)
 
 
+def replica_name(group: int, ranks_per_group: int) -> str:
+    """The replica id fabriclite gives torchft for replica group ``group`` of ``ranks_per_group`` ranks:
+    ``group_<i>`` for one rank, ``r<R>_group_<i>`` for R > 1 (torchft reads the trailing digits as the group's
+    number; the lighthouse's status page and every quorum then say how many ranks each group runs)."""
+    return f"group_{group}" if ranks_per_group == 1 else f"r{ranks_per_group}_group_{group}"
+
+
 def group_of(replica_id: str) -> Optional[int]:
-    """The group (node rank) of a replica id fabriclite gives torchft (``group_<i>``, torchft adds ``:<uuid>``);
-    None for another name (an external lighthouse may serve other jobs' groups too)."""
-    match = re.fullmatch(r"group_(\d+)(:.*)?", replica_id)
+    """The group (node rank) of a replica id fabriclite gives torchft (:func:`replica_name`, torchft adds
+    ``:<uuid>``); None for another name (an external lighthouse may serve other jobs' groups too)."""
+    match = re.fullmatch(r"(?:r\d+_)?group_(\d+)(:.*)?", replica_id)
     return int(match.group(1)) if match else None
+
+
+def ranks_of(replica_id: str) -> Optional[int]:
+    """The ranks per group a replica id of :func:`replica_name` names (1 without the ``r<R>_`` prefix); None for
+    another name."""
+    match = re.fullmatch(r"(?:r(\d+)_)?group_\d+(:.*)?", replica_id)
+    return (int(match.group(1)) if match.group(1) else 1) if match else None
+
+
+def ranks_mismatch(replica_ids: List[str], group: int, ranks_per_group: int) -> Optional[str]:
+    """The error when a replica id among ``replica_ids`` names another number of ranks per group than this
+    group's ``ranks_per_group`` (a node that came back with fewer or more devices), naming both numbers; None when
+    they agree."""
+    for replica_id in replica_ids:
+        other, ranks = group_of(replica_id), ranks_of(replica_id)
+        if ranks is not None and other is not None and ranks != ranks_per_group:
+            return (f"fabriclite: replica group {group} runs {ranks_per_group} rank(s) per group (--devices "
+                    f"{ranks_per_group}) but replica group {other} runs {ranks} (--devices {ranks}): every node of a "
+                    f"--fault-tolerant job runs the same number of ranks per replica group (rank r of each group "
+                    f"exchanges gradients and heals with rank r of the others). Start this node with --devices "
+                    f"{ranks}, or restart the job with one --devices on every node.")
+    return None
 
 
 def live_groups(page: str, heartbeat_timeout_s: float) -> List[str]:

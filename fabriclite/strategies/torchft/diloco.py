@@ -64,6 +64,8 @@ class LowCommunicationStrategy(FaultTolerantStrategy):
     """The shared part of :class:`DiLoCoStrategy` and :class:`LocalSGDStrategy` (see the module docstring)."""
 
     scheme = ""
+    #: one rank per replica group (groups of several ranks: the per-step path only, for now)
+    groups_of_several_ranks = False
 
     def __init__(self, settings: Dict[str, Any], **kwargs: Any) -> None:
         self.settings = resolve(self.scheme, settings)

@@ -40,7 +40,7 @@ from torchft.manager import Manager
 from torchft.optim import OptimizerWrapper
 from torchft.process_group import ProcessGroupGloo
 
-from fabriclite.supervision.lighthouse import LiveOptions, group_of
+from fabriclite.supervision.lighthouse import LiveOptions, group_of, ranks_mismatch, replica_name
 
 
 def build_manager(options: LiveOptions, group_rank: int, group_world_size: int, store_address: str,
@@ -59,8 +59,8 @@ def build_manager(options: LiveOptions, group_rank: int, group_world_size: int, 
         use_async_quorum=use_async_quorum,
         timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, rank=group_rank,
         world_size=group_world_size, store_addr=store_address, store_port=store_port,
-        lighthouse_addr=f"http://{options.lighthouse}", replica_id=f"group_{options.group}",
-        hostname=options.address, checkpoint_transport=transport, init_sync=True,
+        lighthouse_addr=f"http://{options.lighthouse}", replica_id=replica_name(options.group, group_world_size),
+        hostname=options.address, checkpoint_transport=transport, init_sync=True, group=options.group,
     )
 
 
@@ -88,17 +88,29 @@ class _RecordingClient:
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         result = self._client._quorum(*args, **kwargs)
         self._manager.last_quorum = result
+        manager = self._manager
+        mismatch = ranks_mismatch(list(result.replica_ids), manager.group, manager._group_world_size)
+        if mismatch:  # before the cross-group process groups are configured: they would wait for absent ranks
+            raise RanksPerGroupMismatch(mismatch)
         return result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
 
+class RanksPerGroupMismatch(RuntimeError):
+    """A quorum held replica groups of different numbers of ranks (the message names both numbers)."""
+
+
 class ReplicaManager(Manager):
     """torchft's Manager; with one rank per replica group, ``should_commit`` decides locally; the last quorum's
-    result is kept (module docstring)."""
+    result is kept (module docstring); a quorum whose groups run different numbers of ranks raises
+    :class:`RanksPerGroupMismatch` (on the quorum thread: ``wait_quorum`` raises it) instead of configuring process
+    groups that would wait for ranks that do not exist."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, group: int = 0, **kwargs: Any) -> None:
+        #: this replica group's number (its node rank)
+        self.group = group
         super().__init__(*args, **kwargs)
         #: the last quorum's result (torchft's QuorumResult: ``replica_ids``, ``max_step``, ...), None before one
         self.last_quorum: Any = None
@@ -187,35 +199,70 @@ class ReplicaDDP(DistributedDataParallel):
         future the reducer waits for at the end of backward. An error (a peer died inside the all-reduce) is
         recorded on the Manager, which then does not commit the step, and completes the future with the bucket
         as it is; once an error is recorded, later buckets are not sent."""
-        buffer = bucket.buffer()
-        if state._errored is not None:
-            return _done(buffer)
-        if state._quorum_future is None:
-            raise RuntimeError("under --fault-tolerant, call optimizer.zero_grad() before the backward pass: it starts "
-                               "the step's quorum, which the gradient all-reduce needs.")
-        state._quorum_future.result()  # the quorum start_quorum began (raises as torchft's wait_quorum would)
-        participants = state._participating_replica_world_size
-        if not state.is_participating():
-            buffer.zero_()
+        return across_groups(state, bucket.buffer(), 1)
+
+
+def across_groups(state: Manager, buffer: torch.Tensor, ranks_per_group: int) -> torch.futures.Future[torch.Tensor]:
+    """``buffer`` (this rank's bucket, already summed over the ``ranks_per_group`` ranks of its replica group)
+    summed over the quorum's groups on the Manager's process group (this group rank's: rank r of every group),
+    then divided by the number of ranks that contributed (groups x ranks per group); a future of it. See
+    :meth:`ReplicaDDP._comm_hook` for errors: they are recorded on the Manager, never raised."""
+    if state._errored is not None:
+        return _done(buffer)
+    if state._quorum_future is None:
+        raise RuntimeError("under --fault-tolerant, call optimizer.zero_grad() before the backward pass: it starts "
+                           "the step's quorum, which the gradient all-reduce needs.")
+    state._quorum_future.result()  # the quorum start_quorum began (raises as torchft's wait_quorum would)
+    divisor = state._participating_replica_world_size * ranks_per_group
+    if not state.is_participating():
+        buffer.zero_()
+    try:
+        options = AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        work = state._pg.allreduce([buffer], options)
+    except Exception as err:  # noqa: BLE001 - the process group is broken: the step must not commit
+        state.report_error(err)
+        return _done(buffer)
+
+    def average(future: torch.futures.Future[Any]) -> torch.Tensor:
         try:
-            options = AllreduceOptions()
-            options.reduceOp = dist.ReduceOp.SUM
-            work = state._pg.allreduce([buffer], options)
-        except Exception as err:  # noqa: BLE001 - the process group is broken: the step must not commit
+            future.wait()
+        except Exception as err:  # noqa: BLE001 - a peer failed inside the all-reduce
             state.report_error(err)
-            return _done(buffer)
-
-        def average(future: torch.futures.Future[Any]) -> torch.Tensor:
-            try:
-                future.wait()
-            except Exception as err:  # noqa: BLE001 - a peer failed inside the all-reduce
-                state.report_error(err)
-                return buffer
-            if participants > 1:
-                buffer.div_(participants)
             return buffer
+        if divisor > 1:
+            buffer.div_(divisor)
+        return buffer
 
-        return work.get_future().then(average)
+    return work.get_future().then(average)
+
+
+class GroupDDP(nn.parallel.DistributedDataParallel):
+    """DDP over a replica group of several ranks (torch's default process group: the group's ranks only), each
+    bucket then crossing the groups through the Manager (:func:`across_groups`).
+
+    - Inside the group every bucket is summed on every rank (a plain all-reduce, waited for in the hook), whatever
+      the Manager's state: the group's ranks run the same collectives in the same order even when one of them has
+      recorded a cross-group error (the group's commit vote, an AND over its ranks, then fails).
+    - The bucket layout never changes: ``find_unused_parameters=True`` keeps DDP's constructor buckets (no rebuild
+      after the first iteration), cut by :func:`plain_bucket_caps` to plain DDP's rebuilt layout. A rebuild would
+      give a healed group (fresh DDP, constructor buckets) another layout than the live groups' (rebuilt) ones,
+      and their bucket all-reduces would add up different gradients (the rebuilt-bucket trap).
+    - DDP's constructor broadcasts group rank 0's parameters inside the group; torchft's ``init_sync`` then brings
+      every group rank to group 0's (each group rank heals from the same group rank of a live group)."""
+
+    def __init__(self, manager: Manager, module: nn.Module, ranks_per_group: int) -> None:
+        super().__init__(module, find_unused_parameters=True, bucket_cap_mb_list=plain_bucket_caps(module))
+        self.ranks_per_group = ranks_per_group
+        self.register_comm_hook(manager, self._comm_hook)
+
+    @staticmethod
+    def _comm_hook(state: Manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The bucket summed inside the group (waited for), then across the groups and averaged over every rank
+        (:func:`across_groups`)."""
+        buffer = bucket.buffer()
+        dist.all_reduce(buffer)  # raises when a rank of this group died: the group restarts as a whole anyway
+        return across_groups(state, buffer, dist.get_world_size())
 
 
 class ReplicaOptimizer(OptimizerWrapper):

@@ -34,7 +34,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fabriclite.strategies.ddp import DDPStrategy
-from fabriclite.supervision.lighthouse import FT_EXTRA, LiveOptions, group_of, status_groups
+from fabriclite.supervision.lighthouse import FT_EXTRA, LiveOptions, group_of, ranks_mismatch, status_groups
 
 #: the Manager's timeout for one step's cross-group work (all-reduce, commit vote, a heal's transfer)
 STEP_TIMEOUT = timedelta(seconds=60)
@@ -47,6 +47,8 @@ HEAL_ATTEMPTS = 5
 FIRST_QUORUM_RETRY_S = 0.05
 #: how often the missing groups' heartbeats are looked for on the lighthouse's status page
 HEARTBEAT_POLL_S = 0.2
+#: set in the group's store (this round's prefix) by group rank 0 once its Manager has written ``manager_addr``
+MANAGER_UP_KEY = "torchft_manager_up"
 
 
 class FaultTolerantStrategy(DDPStrategy):
@@ -78,10 +80,26 @@ class FaultTolerantStrategy(DDPStrategy):
         if self.options is None:
             raise ValueError(f"strategy={self.name!r} runs in a script started by `fabriclite run --fault-tolerant "
                              "--num-nodes N --node-rank I ...` (each node one replica group); start it that way.")
-        if world_size != 1:
-            raise ValueError(f"strategy={self.name!r} runs one rank per node (torchft 0.2's Manager reduces across "
-                             f"nodes over one process group of one rank per group, not inside one); got {world_size} "
-                             f"ranks here. Use devices=1.")
+        if world_size != 1 and not self.groups_of_several_ranks:
+            raise ValueError(f"strategy={self.name!r} runs one rank per replica group for now (groups of several "
+                             f"ranks run strategy='fault_tolerant', DDP inside the group); got {world_size} ranks "
+                             f"per group here (--devices). Use devices=1.")
+
+    #: whether a replica group may run several ranks (DDP inside the group): the per-step path yes; DiLoCo and
+    #: LocalSGD not yet
+    groups_of_several_ranks = True
+
+    @property
+    def replica_group(self) -> int:
+        """This rank's replica group (its node rank under ``fabriclite run --fault-tolerant``); ``global_rank`` is
+        the rank inside that group."""
+        return self.options.group if self.options else 0
+
+    @property
+    def num_replica_groups(self) -> int:
+        """The number of replica groups the job started with (``--num-nodes``); each runs ``world_size`` ranks
+        (``--devices``)."""
+        return self.options.groups if self.options else 1
 
     @property
     def distributed_sampler_kwargs(self) -> Dict[str, int]:
@@ -97,8 +115,33 @@ class FaultTolerantStrategy(DDPStrategy):
             if self.options is None:
                 raise RuntimeError("fault_tolerant: call fabric.launch() (or start under `fabriclite run "
                                    "--fault-tolerant`) before setup() or load_latest().")
+            self._check_ranks_per_group()
+            if self.world_size > 1 and self.global_rank > 0:  # rank 0's Manager has written this round's address
+                self._wait_for_group_manager()
             self._manager = self.new_manager()
+            if self.world_size > 1 and self.global_rank == 0:
+                assert self._store is not None
+                self._store.set(MANAGER_UP_KEY, "1")
         return self._manager
+
+    def _check_ranks_per_group(self) -> None:
+        """RuntimeError, naming both numbers, when a live group (heartbeating at the lighthouse) runs another number
+        of ranks per group than this one: a node that came back with fewer or more devices never joins a quorum
+        (its rank r would have no peer, and the live groups' rank r would wait for it)."""
+        host, port = self.options.host_port
+        alive = status_groups(host, port) or []
+        mismatch = ranks_mismatch([replica_id.split(":")[0] for replica_id in alive], self.options.group,
+                                  self.world_size)
+        if mismatch:
+            raise RuntimeError(mismatch)
+
+    def _wait_for_group_manager(self) -> None:
+        """Wait until this group's rank 0 has started this round's ManagerServer. torchft's Manager on rank r > 0
+        reads ``manager_addr`` from the group's store, which outlives the ranks (the supervisor's): a rank of a
+        restarted group reading it before rank 0 wrote the new one would get the dead round's address and never
+        connect (the stale-key trap). The key waited for is this round's (the store's round prefix)."""
+        assert self._store is not None
+        self._store.wait([MANAGER_UP_KEY], self.timeout)
 
     def new_manager(self) -> Any:
         """The Manager of the per-step path: an asynchronous quorum, overlapped with the forward pass."""
@@ -112,7 +155,11 @@ class FaultTolerantStrategy(DDPStrategy):
             connect_timeout=min(self.timeout, CONNECT_TIMEOUT), **kwargs)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """torchft's DDP: gradients are averaged across the replica groups of the step's quorum."""
+        """torchft's DDP: gradients are averaged across the replica groups of the step's quorum (one rank per group);
+        with several ranks per group, DDP over the group's ranks whose buckets then cross the groups
+        (replica_parts.GroupDDP): the mean over every rank of every group in the quorum."""
+        if self.world_size > 1:
+            return _parts().GroupDDP(self.manager, module, self.world_size)
         return _parts().ReplicaDDP(self.manager, module)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -138,20 +185,63 @@ class FaultTolerantStrategy(DDPStrategy):
         peer ahead of this group sends its state, which is applied before this returns. Returns the step the
         live groups have committed (0: none has, the job is starting or every group died: read the disk).
         RuntimeError if the state could not be received after HEAL_ATTEMPTS quorums."""
-        manager = self._register_state(state_fn, apply_fn)
+        manager = self._register_state(lambda: plain_tensors(state_fn()), apply_fn)
         deadline = self.first_quorum_deadline()
         failures = 0
         while failures < HEAL_ATTEMPTS:
             manager.start_quorum()
             healed = _parts().finish_heal(manager)
-            if not (healed or manager.errored() is None):
+            failed = not (healed or manager.errored() is None)
+            again = failed or self.first_quorum_incomplete(manager, deadline)
+            if self.world_size > 1:  # the group's ranks ask again together, or go on together
+                failed, again = self._group_any(failed), self._group_any(again)
+            if failed:
                 failures += 1
+            if again:
                 continue
-            if self.first_quorum_incomplete(manager, deadline):
-                continue
+            if self.world_size > 1:
+                self._check_healed_together(manager)
+                if manager.current_step() == 0:
+                    self._share_initial_state(state_fn, apply_fn)
             self._quorum_open = True
             return manager.current_step()
         raise self._heal_failed()
+
+    def _share_initial_state(self, state_fn: Callable[[], Dict[str, Any]],
+                             apply_fn: Callable[[Dict[str, Any]], None]) -> None:
+        """At the job's first quorum (step 0): every rank of this group takes group rank 0's state (a broadcast
+        inside the group). torchft's ``init_sync`` heals each group rank on its own, and at step 0 two ranks of one
+        group may take it from different groups (measured: group 0's rank 1 healed from group 1's rank 1), which
+        would leave the ranks of one DDP group apart from the first step; group rank 0's state is group 0's
+        rank 0's. Later heals need none of this: the live groups' ranks hold one state (DDP inside)."""
+        received = self.broadcast_object(state_fn() if self.global_rank == 0 else None, src=0)
+        if self.global_rank != 0:
+            apply_fn(received)
+
+    def _group_any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of this replica group (an all-reduce inside the group)."""
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def _check_healed_together(self, manager: Any) -> None:
+        """After a quorum: the group's ranks hold one step and one quorum id (an all-reduce inside the group), else
+        RuntimeError naming both (the group fails and restarts as a whole; its ranks never step apart)."""
+        import torch
+        import torch.distributed as dist
+
+        mine = [manager.current_step(), manager._quorum_id]  # torchft 0.2.0's quorum id
+        value = torch.tensor([mine[0], mine[1], -mine[0], -mine[1]], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        high, low = value[:2].tolist(), [-v for v in value[2:].tolist()]
+        if high != low:
+            raise RuntimeError(f"{self.name}: the ranks of replica group {self.replica_group} came out of one quorum "
+                               f"at different steps or quorums (steps {low[0]}..{high[0]}, quorum ids "
+                               f"{low[1]}..{high[1]}; group rank {self.global_rank} at step {mine[0]}, quorum "
+                               f"{mine[1]}): the group restarts rather than step apart.")
 
     def first_quorum_deadline(self) -> float:
         """When (time.monotonic) the job's first quorum stops waiting for the groups started with it."""
@@ -207,6 +297,19 @@ class FaultTolerantStrategy(DDPStrategy):
             self._manager.shutdown(wait=False)
             self._manager = None
         super().teardown()
+
+
+def plain_tensors(value: Any) -> Any:
+    """``value`` (a state dict, nested) with every ``nn.Parameter`` replaced by a plain tensor over the same storage
+    (``.detach()``): torchft's PGTransport refuses Parameters in the state it sends a healing group (the Parameter
+    trap); a module's ``state_dict()`` holds none, but a script's own entries may."""
+    if isinstance(value, nn.Parameter):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: plain_tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(plain_tensors(v) for v in value)
+    return value
 
 
 def _parts() -> Any:

@@ -177,6 +177,8 @@ class Supervisor:
             rendezvous.ROUND_ENV: str(self.round), rendezvous.RUN_ID_ENV: self.run_id,
             MAX_RESTARTS_ENV: str(self.restarts.max_restarts), **self.preemption.options.child_env(),
         })
+        if self.live is not None:  # for libraries that shard from them: the job's ranks, every group's (see below)
+            values.update(self.live.job_ranks(local_rank, layout.local_world_size))
         values.update(self.record.rank_env())
         values.update(self.job_store.rank_env() if self.job_store is not None else {})
         values.update(self.progress.rank_env(local_rank))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from fabriclite import Fabric, cli
 from fabriclite.supervision.lighthouse import (FIRST_QUORUM_TIMEOUT_S, LighthouseError, LiveOptions,
                                                advertised_address, group_of, live_groups, parse_address,
-                                               wait_reachable)
+                                               ranks_mismatch, ranks_of, replica_name, wait_reachable)
 
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 hosts = st.from_regex(r"[a-z][a-z0-9.-]{0,20}", fullmatch=True)
@@ -44,9 +44,49 @@ def test_group_of_reads_the_node_rank_from_a_replica_id(group, suffix):
     assert group_of(f"group_{group}{suffix}") == group
 
 
-@pytest.mark.parametrize("replica_id", ["other_1", "group_", "group_1x", "xgroup_1", ""])
+@pytest.mark.parametrize("replica_id", ["other_1", "group_", "group_1x", "xgroup_1", "", "r_group_1", "r2group_1"])
 def test_group_of_is_none_for_another_jobs_replica_id(replica_id):
     assert group_of(replica_id) is None
+    assert ranks_of(replica_id) is None
+
+
+@given(group=st.integers(0, 10_000), ranks=st.integers(1, 64),
+       suffix=st.sampled_from(["", ":2f0c9a1e-8d7b-4c2e-9f3a-1b2c3d4e5f60"]))
+def test_a_replica_name_carries_the_group_and_its_ranks_per_group(group, ranks, suffix):
+    name = replica_name(group, ranks)
+    assert group_of(name + suffix) == group and ranks_of(name + suffix) == ranks
+    assert (name == f"group_{group}") == (ranks == 1)  # one rank per group: the name is as before groups of ranks
+    assert name.endswith(f"_{group}")  # torchft reads the trailing digits as the group's number
+
+
+def test_a_group_of_another_size_is_an_error_naming_both_numbers():
+    ids = [replica_name(0, 2) + ":uuid", replica_name(1, 1) + ":uuid", "someone_else:uuid"]
+    assert ranks_mismatch(ids, 0, 2) is not None and ranks_mismatch([ids[0], ids[2]], 1, 2) is None
+    message = ranks_mismatch(ids, 0, 2)
+    assert "replica group 0 runs 2 rank(s) per group (--devices 2) but replica group 1 runs 1 (--devices 1)" \
+        in message, message
+
+
+@given(groups=st.integers(1, 16), ranks=st.integers(1, 8), data=st.data())
+def test_libraries_see_the_jobs_ranks_across_the_groups(groups, ranks, data):
+    group, group_rank = data.draw(st.integers(0, groups - 1)), data.draw(st.integers(0, ranks - 1))
+    env = LiveOptions("127.0.0.1:1", group, groups).job_ranks(group_rank, ranks)
+    assert env == {"RANK": str(group * ranks + group_rank), "WORLD_SIZE": str(groups * ranks),
+                   "NODE_RANK": str(group)}
+
+
+def test_the_healed_state_holds_no_parameters():
+    import torch
+    from torch import nn
+
+    from fabriclite.strategies.torchft.replica_strategy import plain_tensors
+
+    weight = nn.Parameter(torch.ones(2))
+    state = {"model": {"w": weight}, "scale": nn.Parameter(torch.zeros(1)), "list": [weight, 3], "step": 4}
+    plain = plain_tensors(state)
+    for value in (plain["model"]["w"], plain["scale"], plain["list"][0]):
+        assert type(value) is torch.Tensor  # PGTransport's check: a plain tensor, not a Parameter
+    assert plain["model"]["w"].data_ptr() == weight.data_ptr() and plain["step"] == 4 and plain["list"][1] == 3
 
 
 def test_live_options_are_none_outside_the_mode(monkeypatch):

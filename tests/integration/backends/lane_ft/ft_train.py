@@ -60,24 +60,40 @@ def all_back() -> bool:
 
 
 fabric = Fabric()
+live = "FABRICLITE_FT_GROUP" in os.environ
 group = int(os.environ.get("FABRICLITE_FT_GROUP", fabric.global_rank))  # plain ddp (the benchmark's baseline): the rank
+#: the rank inside the replica group and the group's ranks (--devices); plain ddp: every rank its own "group"
+group_rank, ranks_per_group = (fabric.global_rank, fabric.world_size) if live else (0, 1)
+data_rank = group * ranks_per_group + group_rank  # this rank's share of the data among every group's ranks
+name = str(group) if group_rank == 0 else f"{group}.{group_rank}"  # group rank 0's files keep the group's name
 torch.manual_seed(1234 + group)  # different initial weights per group: init_sync must make them equal
 width, batch = int(os.environ.get("FT_WIDTH", "32")), int(os.environ.get("FT_BATCH", "32"))  # the benchmark's sizes
 model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 if group == int(os.environ.get("FT_DELAY_GROUP", "-1")) and fabric.restart_count == 0:
     time.sleep(float(os.environ.get("FT_DELAY_S", "0")))  # this group starts its Manager (and first quorum) late
+if fabric.restart_count > 0 and group_rank == 0:  # its Manager (and this round's manager_addr) comes late
+    time.sleep(float(os.environ.get("FT_DELAY_RESTARTED_RANK0_S", "0")))
 model, optimizer = fabric.setup(model, optimizer)
 state = {"model": model, "optimizer": optimizer, "step": 0}
-log = open(os.path.join(out, f"steps-{group}.txt"), "a", buffering=1)
+if os.environ.get("FT_PARAM_STATE"):  # a Parameter in the state a healing group receives (PGTransport refuses them)
+    state["scale"] = nn.Parameter(torch.full((3,), 1.0 + group))
+log = open(os.path.join(out, f"steps-{name}.txt"), "a", buffering=1)
 save_every = int(os.environ.get("FT_SAVE_EVERY", "0"))  # 0: never save (a healed state then comes from a peer)
 checkpoints = os.path.join(out, f"checkpoints-{group}")  # each group its own directory
 source = fabric.load_latest(checkpoints, state)
 log.write(f"start {fabric.restart_count} {state['step']} {time.time():.4f} {source}\n")
 if fabric.restart_count == 0:
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"initial-{group}.pt"))
-log.write(f"process {fabric.restart_count} {STARTED:.4f}\n")
-dies = group in kill_groups and fabric.restart_count < kill_rounds
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"initial-{name}.pt"))
+log.write(f"process {fabric.restart_count} {STARTED:.4f} {os.environ['RANK']} {os.environ['WORLD_SIZE']}\n")
+dies = group in kill_groups and group_rank == int(os.environ.get("FT_KILL_RANK", "0")) and \
+    fabric.restart_count < kill_rounds
+#: "round:group rank:where:step,...": in that restart round, that rank of FT_KILL_GROUP dies there (instead of the above)
+for entry in [e.split(":") for e in os.environ.get("FT_KILL_PLAN", "").split(",") if e]:
+    dies = False
+    if group in kill_groups and int(entry[0]) == fabric.restart_count and int(entry[1]) == group_rank:
+        dies, kill_where, kill_step = True, entry[2], int(entry[3])
+        break
 
 
 hang_group = int(os.environ.get("FT_HANG_GROUP", "-1"))
@@ -97,13 +113,26 @@ def die(where: str) -> None:
 
 
 done = 0
-while not (state["step"] >= steps and done > 0 and all_back()):
+
+
+def finished() -> bool:
+    """Whether to stop now; the ranks of one group (or of a plain ddp job) agree on it."""
+    stop = state["step"] >= steps and done > 0 and all_back()
+    if fabric.world_size > 1:
+        stop = bool(fabric.all_reduce(torch.tensor(float(stop)), reduce_op="max").item())
+    return stop
+
+
+while not finished():
     optimizer.zero_grad()
-    gen = torch.Generator().manual_seed(100_000 * group + state["step"])
+    gen = torch.Generator().manual_seed(100_000 * data_rank + state["step"])
     x = torch.randn(batch, 16, generator=gen)
     loss = ((model(x) - x.sum(1, keepdim=True).tanh()) ** 2).mean()
     die("allreduce")
     fabric.backward(loss)
+    if state["step"] == 0 and os.environ.get("FT_SAVE_GRAD"):  # the first step's applied (averaged) gradient
+        torch.save({n: p.grad.detach().clone() for n, p in model.named_parameters()},
+                   os.path.join(out, f"grad-{name}.pt"))
     committed = optimizer.step() is not False  # --fault-tolerant: whether the quorum committed; ddp: None
     if committed:
         state["step"] += 1
@@ -116,5 +145,11 @@ while not (state["step"] >= steps and done > 0 and all_back()):
     hang()
     time.sleep(pace)
 
-torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"final-{group}.pt"))
+torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"final-{name}.pt"))
+if os.environ.get("FT_SAVE_OPT"):  # the optimizer state, the plain values and the DDP buckets this rank ended with
+    ddp = getattr(model, "_forward_module", None)
+    logging = ddp._get_ddp_logging_data() if hasattr(ddp, "_get_ddp_logging_data") else {}
+    torch.save({"optimizer": optimizer.state_dict(), "step": state["step"], "scale": state.get("scale"),
+                "buckets": (logging.get("bucket_sizes"), logging.get("rebuilt_bucket_sizes"))},
+               os.path.join(out, f"optim-{name}.pt"))
 log.write(f"end {state['step']} {time.time():.4f}\n")

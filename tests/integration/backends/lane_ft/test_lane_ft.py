@@ -156,7 +156,8 @@ def test_an_unreachable_lighthouse_is_one_line_naming_it(tmp_path: Path) -> None
 @pytest.mark.slow
 @pytest.mark.parametrize("args,expected", [
     (["--strategy", "fsdp"], "--fault-tolerant with --strategy fsdp is not supported"),
-    (["--devices", "2"], "--fault-tolerant with --devices 2: one rank per node only"),
+    (["--strategy", "diloco", "--devices", "2"], "--fault-tolerant --strategy diloco with --devices 2: DiLoCo and "
+                                                 "LocalSGD run one rank per replica group for now"),
     (["--min-replicas", "4"], "--min-replicas 4 is out of range for --num-nodes 3"),
     # DiLoCo's settings, refused before the lighthouse or a Manager exists (each one's message: the unit tests)
     (["--strategy", "diloco", "--sync-every", "7", "--fragments", "2"], "sync_every=7 is not divisible by fragments=2"),
