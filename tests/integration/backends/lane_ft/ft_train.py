@@ -20,6 +20,15 @@ n times (relaunched by hand). ``FT_HANG_GROUP`` / ``FT_HANG_STEP``: that group's
 (user code, no collective) after that step, in its first incarnation. ``FT_DELAY_GROUP`` / ``FT_DELAY_S``: that
 group's rank sleeps that long before ``fabric.setup`` (its Manager, then its first quorum, start late). After its
 first ``load_latest`` each group writes its weights to ``OUT/initial-<group>.pt``.
+
+Replica groups of several ranks (``--devices R``): group rank r > 0 writes ``steps-<group>.<r>.txt``,
+``final-<group>.<r>.pt`` (and so on) beside group rank 0's ``<group>`` files; each rank's data comes from its data rank
+``group * R + r`` (plain ddp: the global rank), and a ``process`` line also gives ``$RANK`` and ``$WORLD_SIZE``.
+``FT_KILL_RANK``: which group rank FT_KILL_GROUP's kill hits (default 0); ``FT_KILL_PLAN=round:rank:where:step,...``:
+one kill per restart round instead. ``FT_DELAY_RESTARTED_RANK0_S``: a restarted group's rank 0 sleeps that long
+before ``fabric.setup`` (its Manager comes after the other ranks'). ``FT_PARAM_STATE``: the state holds an
+``nn.Parameter``. ``FT_SAVE_GRAD``: the first step's averaged gradient to ``OUT/grad-<name>.pt``; ``FT_SAVE_OPT``:
+the optimizer state, the step, that Parameter and the DDP bucket sizes to ``OUT/optim-<name>.pt`` at the end.
 """
 import time
 
