@@ -25,7 +25,8 @@ Replica groups of several ranks (``--devices R``): group rank r > 0 writes ``ste
 ``final-<group>.<r>.pt`` (and so on) beside group rank 0's ``<group>`` files; each rank's data comes from its data rank
 ``group * R + r`` (plain ddp: the global rank), and a ``process`` line also gives ``$RANK`` and ``$WORLD_SIZE``.
 ``FT_KILL_RANK``: which group rank FT_KILL_GROUP's kill hits (default 0); ``FT_KILL_PLAN=round:rank:where:step,...``:
-one kill per restart round instead. ``FT_DELAY_RESTARTED_RANK0_S``: a restarted group's rank 0 sleeps that long
+one kill per restart round instead; ``where`` may also be ``backward`` (in the first layer's gradient hook, the last
+one backward computes). ``FT_DELAY_RESTARTED_RANK0_S``: a restarted group's rank 0 sleeps that long
 before ``fabric.setup`` (its Manager comes after the other ranks'). ``FT_PARAM_STATE``: the state holds an
 ``nn.Parameter``. ``FT_SAVE_GRAD``: the first step's averaged gradient to ``OUT/grad-<name>.pt``; ``FT_SAVE_OPT``:
 the optimizer state, the step, that Parameter and the DDP bucket sizes to ``OUT/optim-<name>.pt`` at the end.
@@ -138,6 +139,8 @@ while not finished():
     x = torch.randn(batch, 16, generator=gen)
     loss = ((model(x) - x.sum(1, keepdim=True).tanh()) ** 2).mean()
     die("allreduce")
+    if dies and kill_where == "backward" and state["step"] >= kill_step:  # dies inside backward: the first layer's
+        next(model.parameters()).register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))  # (last) gradient
     fabric.backward(loss)
     if state["step"] == 0 and os.environ.get("FT_SAVE_GRAD"):  # the first step's applied (averaged) gradient
         torch.save({n: p.grad.detach().clone() for n, p in model.named_parameters()},
