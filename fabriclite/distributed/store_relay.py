@@ -11,7 +11,8 @@ connection the client relay opens to node 0 first proves the secret both ways:
 
 Only then are bytes piped to and from the store. A fresh nonce on each side makes a recorded handshake useless
 on another connection; the secret itself never crosses the network. A server-side connection that sends more than
-the 68 handshake bytes, a wrong proof, or no proof within ``HANDSHAKE_S`` is closed having received nothing, and at
+the 68 handshake bytes, first bytes that are not ``FLR1`` (another protocol's, as a bare TCPStore client's), a wrong
+proof, or no proof within ``HANDSHAKE_S`` is closed having received nothing, and at
 most ``MAX_UNPROVEN`` connections wait for their proof at once (a new one beyond that is closed at once), so a flood
 costs node 0 at most that many 68-byte buffers. After the handshake the stream is plain TCP, as torch's own: an
 attacker on the path who can inject into a TCP stream is out of scope (docs/security.md: WireGuard or IPsec).
@@ -129,6 +130,9 @@ class _Relay:
         self.listening = listening
         self.port: int = listening.getsockname()[1]
         self.links: Dict[int, Tuple[_Link, str]] = {}  # fileno -> (link, "front" | "back")
+        #: front fileno -> link, for the links whose handshake has not finished: what the loop's deadlines and the
+        #: cap on unproven connections look at, so that no request costs work in the number of open links
+        self._unproven: Dict[int, _Link] = {}
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._closed = False
@@ -142,9 +146,9 @@ class _Relay:
     def _run(self) -> None:
         while not self._closed:
             timeout = 0.1
-            for fileno, (link, side) in list(self.links.items()):
-                if side == "front" and link.state != "open":
-                    timeout = max(0.0, min(timeout, link.deadline - time.monotonic()))
+            if self._unproven:
+                now = time.monotonic()
+                timeout = max(0.0, min(timeout, min(link.deadline for link in self._unproven.values()) - now))
             for key, events in self._selector.select(timeout):
                 if key.data == "listen":
                     self._accept_all()
@@ -154,9 +158,9 @@ class _Relay:
                     entry = self.links.get(key.fd)
                     if entry is not None:
                         self._service(entry[0], entry[1], events)
-            now = time.monotonic()
-            for link, side in list(self.links.values()):
-                if side == "front" and link.state != "open" and now >= link.deadline:
+            if self._unproven:
+                now = time.monotonic()
+                for link in [link for link in self._unproven.values() if now >= link.deadline]:
                     self._expired(link)
 
     def _accept_all(self) -> None:
@@ -168,9 +172,10 @@ class _Relay:
             except OSError:
                 return
             sock.setblocking(False)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):  # a request's pieces go on at once, as torch's do
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-            if sum(1 for link, side in self.links.values() if side == "front" and link.state != "open") \
-                    >= MAX_UNPROVEN:
+            if len(self._unproven) >= MAX_UNPROVEN:
                 self._refused(where, f"more than {MAX_UNPROVEN} connections waiting for their proof")
                 sock.close()
                 continue
@@ -178,6 +183,8 @@ class _Relay:
 
     def _service(self, link: _Link, side: str, events: int) -> None:
         try:
+            if events == selectors.EVENT_READ and link.state == "open" and self._pipe(link, side):
+                return
             if events & selectors.EVENT_WRITE:
                 self._writable(link, side)
             if events & selectors.EVENT_READ and self._link_alive(link):
@@ -189,6 +196,27 @@ class _Relay:
             return
         if self._link_alive(link):
             self._watch(link)
+
+    def _pipe(self, link: _Link, side: str) -> bool:
+        """The common case of an open link, a request or its answer to pass on while nothing waits to be sent
+        that way: read it and send it on at once, leaving what the sockets wait for as it was unless the other
+        side took only part. False (nothing done) when bytes already wait that way."""
+        sock, other, pending = ((link.front, link.back, link.to_back) if side == "front"
+                                else (link.back, link.front, link.to_front))
+        if pending or other is None:
+            return False
+        data = sock.recv(_CHUNK)
+        if not data:
+            self._close(link)
+            return True
+        try:
+            sent = other.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < len(data):
+            pending.extend(data[sent:])
+            self._watch(link)
+        return True
 
     def _writable(self, link: _Link, side: str) -> None:
         if side == "back" and link.state == "connecting":
@@ -242,7 +270,14 @@ class _Relay:
 
     def _add(self, link: _Link) -> None:
         self.links[link.front.fileno()] = (link, "front")
+        if link.state != "open":
+            self._unproven[link.front.fileno()] = link
         self._watch(link)
+
+    def _opened(self, link: _Link) -> None:
+        """The link's handshake is done: from now on its bytes are piped."""
+        link.state = "open"
+        self._unproven.pop(link.front.fileno(), None)
 
     def _attach_back(self, link: _Link, back: socket.socket) -> None:
         link.back = back
@@ -286,6 +321,8 @@ class _Relay:
                 except OSError:
                     pass
             fileno = sock.fileno()
+            if self._unproven.get(fileno) is link:
+                del self._unproven[fileno]
             if fileno in self.links:
                 del self.links[fileno]
                 try:
@@ -350,6 +387,11 @@ class RelayServer(_Relay):
     def _handshake(self, link: _Link, side: str, sock: socket.socket) -> None:
         proof = self._gather(link, sock, PROOF_BYTES, PROOF_BYTES + 1)  # one byte more: a flood shows at once
         if proof is None:
+            if self._link_alive(link) and not MAGIC.startswith(bytes(link.inbox[:len(MAGIC)])):
+                # another protocol's first bytes (a bare TCPStore client's ping): turned away at once
+                self._refused(link.peer, "not a handshake")
+                link.to_front.clear()
+                self._close(link)
             return
         nonce, mac = proof[len(MAGIC):len(MAGIC) + NONCE_BYTES], proof[len(MAGIC) + NONCE_BYTES:PROOF_BYTES]
         if (len(proof) > PROOF_BYTES or not proof.startswith(MAGIC)
@@ -362,7 +404,7 @@ class RelayServer(_Relay):
         back.setblocking(False)
         back.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link.to_front.extend(_mac(self.secret, b"server", nonce, link.nonce))
-        link.state = "open"
+        self._opened(link)
         self._attach_back(link, back)
 
     def _expired(self, link: _Link) -> None:
@@ -435,6 +477,6 @@ class RelayClient(_Relay):
         if not hmac.compare_digest(received, link.expected):
             self._close(link)
             return
-        link.state = "open"
+        self._opened(link)
         link.to_back.extend(link.held)  # what the rank said meanwhile, after the proof
         link.held.clear()

@@ -72,7 +72,7 @@ def test_a_bare_store_client_gets_nothing(relayed):
     with pytest.raises(Exception):
         TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=2)).set("fabriclite//failure", "forged")
     assert store.num_keys() == keys and not store.check(["fabriclite//failure"])
-    assert refused  # turned away (its first bytes are not a proof)
+    assert "not a handshake" in refused  # turned away at its first bytes (torch's ping), on every retry
 
 
 def _closed_within(sock: socket.socket, bound: float) -> float:
@@ -104,7 +104,7 @@ def test_more_bytes_than_a_handshake_are_closed_at_once_and_forward_nothing(rela
         sock.sendall(os.urandom(1 << 16))  # a flood before any proof
         _closed_within(sock, CLOSE_BOUND_S)
     assert store.num_keys() == keys
-    assert any("more bytes" in why or "wrong proof" in why for why in refused)
+    assert any("more bytes" in why or "wrong proof" in why or "not a handshake" in why for why in refused)
 
 
 def test_a_recorded_handshake_does_not_open_another_connection(relayed):
