@@ -1,7 +1,13 @@
-"""The control plane at scale, by simulation: fabriclite's store protocol against torchelastic's dynamic
-rendezvous, from 16 to 4,096 simulated nodes, each side on its own real libuv TCPStore in a process of its own.
+"""The control plane at scale, by simulation: fabriclite's store protocol, open and behind the job secret's relay,
+against torchelastic's dynamic rendezvous, from 16 to 4,096 simulated nodes, each side on its own real libuv
+TCPStore in a process of its own.
 
-    python benchmarks/control_plane.py [--nodes 16,256,1024,4096] [--cap 600] [--plot docs/control_plane.png]
+    python benchmarks/control_plane.py [--nodes 16,256,1024,4096] [--sides fabriclite,fabriclite-secret,torchelastic]
+                                       [--cap 600] [--plot docs/control_plane.png]
+
+Sides: ``fabriclite`` (no secret: every connection straight to the store), ``fabriclite-secret`` (the same protocol,
+each simulated node reaching the store through a real ``store_relay.RelayClient`` and node 0's real
+``RelayServer``, every connection proving the secret first; control_plane_parts/store_host.py), ``torchelastic``.
 
 Runs inside a network namespace of its own (root; see control_plane_parts/sandbox.py). Each simulated node has
 one connection for its supervisor (torchrun's agent, for the anchor); fabriclite's simulated ranks (8 per node)
@@ -27,13 +33,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import RESULTS, Results  # noqa: E402
 from control_plane_parts import sandbox  # noqa: E402
 
-SIDES = ("fabriclite", "torchelastic")
+SIDES = ("fabriclite", "fabriclite-secret", "torchelastic")
 
 
-def rank_connections(nodes: int, ranks_per_node: int) -> int:
+def rank_connections(nodes: int, ranks_per_node: int, relayed: bool = False) -> int:
     """Connections per node for the ranks: their own (``ranks_per_node``) while every connection fits in the
-    open-files limit and the ephemeral ports (with room to spare), else as many as fit, at least 1."""
-    budget = min(sandbox.open_files_limit(), sandbox.ephemeral_ports()) - 1000
+    open-files limit and the ephemeral ports (with room to spare), else as many as fit, at least 1. ``relayed``:
+    node 0's relay holds two files per connection (the node's and its own to the store)."""
+    budget = min(sandbox.open_files_limit() // (2 if relayed else 1), sandbox.ephemeral_ports()) - 1000
     return max(1, min(ranks_per_node, (budget - nodes) // nodes))
 
 
@@ -85,7 +92,8 @@ def main() -> int:
         args.node_counts = []
     capped: Dict[str, int] = {}  # side -> the N at which its rendezvous did not finish within the cap
     for nodes in args.node_counts:
-        conns = rank_connections(nodes, args.ranks_per_node)
+        # the same connections for both fabriclite sides, so that the job secret's figure has its floor in the run
+        conns = rank_connections(nodes, args.ranks_per_node, relayed="fabriclite-secret" in args.side_list)
         for side in args.side_list:
             if side in capped and not args.run_past_cap:
                 runs.append({"side": side, "nodes": nodes, "rank_conns": 0, "notes": [
@@ -93,7 +101,7 @@ def main() -> int:
                 continue
             print(f"control_plane: {side} at {nodes} nodes ...", flush=True)
             t = time.monotonic()
-            run = Trial(side, nodes, args, conns if side == "fabriclite" else 0).run()
+            run = Trial(side, nodes, args, conns if side.startswith("fabriclite") else 0).run()
             run["load_after"] = os.getloadavg()[0]
             run["command"] = results.command
             run["date"] = time.strftime("%Y-%m-%d %H:%M")

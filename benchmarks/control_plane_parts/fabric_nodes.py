@@ -25,6 +25,8 @@ from control_plane_parts.store_host import Connection
 
 #: the collective timeout the model's ranks run with (fabriclite's default)
 TIMEOUT_S = 1800.0
+#: nodes whose connections a worker process opens at once
+CONNECTING = 8
 
 
 def _poll_chain(poller: Any, on_done: Callable[[Any], None], first: Optional[Callable[[], None]] = None) \
@@ -178,7 +180,14 @@ class FabricNodes:
         os.environ["FABRICLITE_STRAGGLER_WINDOW"] = str(spec["window"])
         self.loop, self.spec = loop, spec
         self.window, self.zero_first_every = spec["window"], spec["zero_first_every"]
-        self.nodes = {n: Node(n, spec) for n in spec["nodes"]}
+        # connections opened a few at a time: a connection's handshake through two relays is a few round trips
+        # between processes, which one after another on a loaded machine take minutes at 4,096 nodes (both
+        # fabriclite sides open theirs the same way; node 0's relay caps unproven connections at 64, this keeps
+        # the workers' together under that)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(CONNECTING) as pool:
+            self.nodes = dict(zip(spec["nodes"], pool.map(lambda n: Node(n, spec), spec["nodes"])))
         self.requests: Dict[str, int] = {}
 
     def rendezvous(self, start: float, deadline: float) -> Dict[str, Any]:

@@ -2,7 +2,14 @@
 libuv TCPStore), so that its memory and its request count are its own: requests are counted as the read calls
 its process makes (``/proc/<pid>/io`` syscr: the libuv server reads each request of a synchronous client in one
 call), checked against a known count at start (:meth:`StoreHost.calibrate`); and a simulated node's connection to it
-(:class:`Connection`)."""
+(:class:`Connection`).
+
+With a job secret, node 0's authenticating relay (fabriclite's ``store_relay.RelayServer``, the real code) runs in a
+process of its own in front of the store (:class:`RelayHost`, so that the store's read count stays the store's and
+the relay's CPU time is its own), and each worker process's simulated nodes reach it through a real
+``store_relay.RelayClient`` in a process of its own (:class:`RelayHost` too): every connection a simulated node
+opens proves the secret to node 0's relay on a connection of its own, as a real node's relay does. The secret
+reaches these processes on their stdin, never in argv."""
 from __future__ import annotations
 
 import os
@@ -21,6 +28,63 @@ store = rendezvous.host_store("127.0.0.1", 0, timedelta(seconds=600))
 print(store.port, flush=True)
 sys.stdin.read()  # until the parent closes the pipe
 """
+
+
+_RELAY = """
+import sys
+from fabriclite.distributed import store_relay
+kind, address, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+secret = sys.stdin.readline().strip().encode()
+if kind == "server":
+    def refused(peer, why):
+        print(f"control_plane: node 0's relay refused {peer}: {why}", file=sys.stderr, flush=True)
+    relay = store_relay.RelayServer("127.0.0.1", 0, secret, (address, port), refused)
+else:
+    relay = store_relay.RelayClient(address, port, secret)
+print(relay.port, flush=True)
+sys.stdin.read()  # until the parent closes the pipe
+relay.close()
+"""
+
+
+def _cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user + system), seconds."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class RelayHost:
+    """A relay in a process of its own: ``RelayHost("server", store_port, secret)`` is node 0's (on loopback, in
+    front of the store at ``store_port``), ``RelayHost("client", server_port, secret)`` a node's relay to it.
+    ``port`` is where it listens; ``cpu_s()`` its CPU time so far; ``close()``."""
+
+    def __init__(self, kind: str, port: int, secret: bytes) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _RELAY, kind, "127.0.0.1", str(port)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc.stdin.write(secret.decode() + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line.strip():
+            raise RuntimeError(f"the {kind} relay process did not start")
+        self.port = int(line)
+
+    def __enter__(self) -> "RelayHost":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def cpu_s(self) -> float:
+        return _cpu_s(self.proc.pid)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 class StoreHost:
@@ -74,8 +138,7 @@ class StoreHost:
 
     def cpu_s(self) -> float:
         """The store process's CPU time so far (user + system), seconds."""
-        fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _cpu_s(self.proc.pid)
 
     def reads(self) -> int:
         """Read calls the store process has made (see the module docstring)."""

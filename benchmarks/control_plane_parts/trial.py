@@ -1,13 +1,20 @@
-"""One side (fabriclite or torchelastic) at one N: a fresh store, the workers, the phases in order, under a cap.
+"""One side (fabriclite, fabriclite-secret or torchelastic) at one N: a fresh store (and, with the job secret, node
+0's relay in front of it), the workers, the phases in order, under a cap.
 
 A phase that does not finish before the cap leaves its figure and every later one as None ("> cap")."""
 from __future__ import annotations
 
+import contextlib
+import secrets
 import time
 from typing import Any, Dict, List, Optional
 
-from control_plane_parts.store_host import StoreHost
+from control_plane_parts.store_host import RelayHost, StoreHost
 from control_plane_parts.workers import Workers, merge_times
+
+
+#: the side that runs fabriclite's protocol behind the job secret's relay
+SECRET_SIDE = "fabriclite-secret"
 
 
 def _spread(times: Dict[int, float], start: float) -> Optional[float]:
@@ -20,15 +27,20 @@ class Trial:
         self.started = time.monotonic()
         self.deadline = self.started + args.cap
         self.result: Dict[str, Any] = {"side": side, "nodes": nodes, "rank_conns": rank_conns, "notes": []}
+        self.relay: Optional[RelayHost] = None
+        self.secret: Optional[bytes] = None
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
     def run(self) -> Dict[str, Any]:
         r = self.result
+        secret = secrets.token_hex(32).encode() if self.side == SECRET_SIDE else None
         try:
-            with StoreHost() as host:
+            with StoreHost() as host, (RelayHost("server", host.port, secret) if secret
+                                       else contextlib.nullcontext()) as relay:
                 r["reads_per_request"] = host.calibrate()
+                self.relay, self.secret = relay, secret
                 self._phases(host)
         except (TimeoutError, _Capped) as err:
             r["notes"].append(f"stopped at the cap: {err}")
@@ -38,9 +50,10 @@ class Trial:
     def _phases(self, host: StoreHost) -> None:
         args, r = self.args, self.result
         t = time.monotonic()
+        relayed = {} if self.relay is None else {"secret": self.secret, "relay_port": self.relay.port}
         workers = Workers(self.side, self.nodes, args.processes, host.port, threads=args.threads, cap_s=args.cap,
                           ranks_per_node=args.ranks_per_node, rank_conns=self.rank_conns, window=args.window,
-                          zero_first_every=args.zero_first_every)
+                          zero_first_every=args.zero_first_every, **relayed)
         try:
             r["connect_s"] = time.monotonic() - t
             r["workers_rss_mb"] = workers.rss_mb()
@@ -57,14 +70,20 @@ class Trial:
                 until = start + args.steady_s
                 workers.send("steady", start=start, until=until, rate=rate)
                 time.sleep(max(0.0, start + 2.0 - time.monotonic()))  # past the chains' first round
-                req0, t0 = host.requests(), time.monotonic()
+                req0, t0, relay0 = host.requests(), time.monotonic(), self._relay_cpu_s()
                 time.sleep(max(0.0, until - time.monotonic()))
-                requests_s = (host.requests() - req0) / (time.monotonic() - t0)
+                seconds = time.monotonic() - t0
+                requests_s = (host.requests() - req0) / seconds
+                relay_cpu_s = (self._relay_cpu_s() - relay0) / seconds
                 answers = self._errors(f"steady {rate:g}", workers.collect(self.left()))
                 node0 = answers[0]
                 r[f"steady_{rate:g}"] = {
                     "requests_s": requests_s, "per_node_s": requests_s / self.nodes,
-                    "node0_cpu_s_per_s": node0["cpu_s"] / node0["wall_s"],
+                    # node 0's supervisor hosts the relay: its CPU is node 0's too
+                    "node0_cpu_s_per_s": node0["cpu_s"] / node0["wall_s"] + relay_cpu_s,
+                    "relay_cpu_s_per_s": relay_cpu_s if self.relay is not None else None,
+                    "node_relays_cpu_s_per_s": (sum(a.get("relay_cpu_s", 0.0) for a in answers) / node0["wall_s"]
+                                                if self.relay is not None else None),
                     "lag_max_s": max(a["lag_max_s"] for a in answers),
                     "split": _sum_split(answers, until - start)}
                 self._check_left("steady state")
@@ -79,7 +98,7 @@ class Trial:
             r["next_round_s"] = _spread(merge_times(answers), start)
             r["failure_lag_max_s"] = max(a["lag_max_s"] for a in answers)
             # preemption
-            if self.side == "fabriclite":
+            if self.side.startswith("fabriclite"):
                 start = time.monotonic() + 1.0
                 answers = self._run(workers, "preempt", start=start, node=self.nodes // 2, deadline=self.deadline)
                 if not all(a.get("finished") for a in answers):
@@ -91,6 +110,9 @@ class Trial:
         finally:
             r["workers_rss_mb_end"] = workers.rss_mb()
             workers.close()
+
+    def _relay_cpu_s(self) -> float:
+        return self.relay.cpu_s() if self.relay is not None else 0.0
 
     def _memory(self, workers: Workers, host: StoreHost) -> Dict[str, Any]:
         args = self.args

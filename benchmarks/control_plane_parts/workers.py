@@ -1,6 +1,7 @@
 """The processes that hold the simulated nodes. Node 0 has a process of its own (its CPU time is node 0's
 supervisor's); the other nodes are dealt over a few more. The controller sends each a phase by name with its
-arguments; the worker runs it on its loop and answers with what it measured."""
+arguments; the worker runs it on its loop and answers with what it measured. With a job secret (``spec["secret"]``),
+each worker but node 0's starts its nodes' relay to node 0's (store_host.RelayHost) and its nodes connect there."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -15,6 +16,12 @@ def _main(pipe: Any, spec: Dict[str, Any]) -> None:
     import torch
 
     torch.set_num_threads(1)
+    relay = None
+    if spec.get("secret") and spec["worker"] != 0:  # node 0's own connections go to the store on its loopback
+        from control_plane_parts.store_host import RelayHost
+
+        relay = RelayHost("client", spec["relay_port"], spec["secret"])
+        spec = {**spec, "port": relay.port}
     if spec["side"] == "torchelastic":
         from control_plane_parts.elastic_nodes import ElasticNodes as Model
     else:
@@ -25,12 +32,15 @@ def _main(pipe: Any, spec: Dict[str, Any]) -> None:
         pipe.send({"ok": True})
     except Exception:
         pipe.send({"error": traceback.format_exc()})
+        if relay is not None:
+            relay.close()
         return
     while True:
         name, kwargs = pipe.recv()
         if name == "quit":
             break
         cpu, wall = time.process_time(), time.monotonic()
+        relay_cpu = relay.cpu_s() if relay is not None else 0.0
         loop.lag(reset=True)
         try:
             result = getattr(model, name)(**kwargs)
@@ -38,6 +48,8 @@ def _main(pipe: Any, spec: Dict[str, Any]) -> None:
             result = {"error": traceback.format_exc()}
         result["cpu_s"] = time.process_time() - cpu
         result["wall_s"] = time.monotonic() - wall
+        if relay is not None:  # this worker's nodes' relay (on a real cluster: spread over their machines)
+            result["relay_cpu_s"] = relay.cpu_s() - relay_cpu
         result["lag_median_s"], result["lag_max_s"] = loop.lag(reset=True)
         if loop.errors:
             result.setdefault("task_errors", []).extend(loop.errors[:3])
@@ -45,6 +57,8 @@ def _main(pipe: Any, spec: Dict[str, Any]) -> None:
             loop.errors.clear()
         pipe.send(result)
     loop.stop()
+    if relay is not None:
+        relay.close()
 
 
 class Workers:
