@@ -131,6 +131,21 @@ class Cluster:
         names = [self.host(node)] if node is not None else self._our_namespaces()
         return [int(p) for ns in names for p in _ip("netns", "pids", ns, check=False).stdout.split()]
 
+    def listeners(self, node: int) -> List[str]:
+        """The local addresses (``ADDR:PORT`` as ``ss`` writes them) of every listening TCP socket in node
+        ``node``."""
+        out = subprocess.run(["ip", "netns", "exec", self.host(node), "ss", "-Hltn"], capture_output=True,
+                             text=True, check=True).stdout
+        return [line.split()[3] for line in out.splitlines() if line.strip()]
+
+    def wildcard_listeners(self, node: int) -> List[str]:
+        """Node ``node``'s listening TCP sockets that are on every interface (``*``, ``0.0.0.0``, ``[::]``), each
+        as ``ss -ltnp`` writes it (with its process)."""
+        out = subprocess.run(["ip", "netns", "exec", self.host(node), "ss", "-Hltnp"], capture_output=True,
+                             text=True, check=True).stdout
+        return [line for line in out.splitlines()
+                if line.strip() and line.split()[3].rsplit(":", 1)[0] in ("*", "0.0.0.0", "[::]")]
+
     def kill_all(self, grace_s: float = 2.0) -> None:
         """SIGTERM every process in the cluster, SIGKILL what is left after ``grace_s``."""
         for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -4,7 +4,10 @@ a forged failure and pulse, a forged restart decision, a `rank_zero_first` relea
 `list_keys` and `get`, torch's process-group keys overwritten, a flood of 200 MiB, silence, torch's own greeting,
 and a fourth node started with another secret. The attacked job ends as the same job unattacked does, weights equal
 bit for bit, with no failure event and no key the attacker named; each raw connection is closed within the
-handshake time; the secret is in no process's command line, log, events record or store value.
+handshake time; the secret is in no process's command line, log, events record or store value. While the job
+trains, no host has a listening socket of the job on every interface, and from another subnet (a second network
+between node 0 and the hostile host, which the job does not use) every port the job listens on in node 0 refuses
+the connection.
 
 Under `--fault-tolerant` torchft's lighthouse kill endpoint and its Managers' `Kill` RPC stay open (no handshake of
 ours fits torchft's clients): docs/security.md says so, and the last test checks that it does."""
@@ -15,8 +18,9 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -38,6 +42,19 @@ CLOSE_BOUND_S = 1.5
 #: start-up (the interpreter importing fabriclite and torch) is measured in the same namespace just before
 WRONG_SECRET_BOUND_S = 5.0
 _port = [29810]
+#: a second network between node 0 and the hostile host only (the job meets on the cluster's 10.250.0.0/24)
+OTHER_SUBNET = "10.251.0"
+#: connects to each ADDR:PORT given, printing [target, "connected" or the errno's name] per line
+_PROBE = """
+import errno, json, socket, sys
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        print(json.dumps([target, "connected"]), flush=True)
+    except OSError as err:
+        print(json.dumps([target, errno.errorcode.get(err.errno, str(err))]), flush=True)
+"""
 
 
 def _env(**extra: str) -> dict:
@@ -122,6 +139,41 @@ def _cmdlines() -> List[bytes]:
     return lines
 
 
+@contextmanager
+def _second_network(cluster: Cluster) -> Iterator[str]:
+    """A veth link between node 0 and the hostile host on OTHER_SUBNET (made inside both namespaces, removed
+    after): node 0's address there."""
+    ends = [(cluster.host(0), 0), (cluster.host(HOSTILE), HOSTILE)]
+    subprocess.run(["ip", "link", "add", "eth1", "netns", ends[0][0], "type", "veth", "peer", "name", "eth1",
+                    "netns", ends[1][0]], check=True, capture_output=True)
+    try:
+        for ns, node in ends:
+            subprocess.run(["ip", "-n", ns, "addr", "add", f"{OTHER_SUBNET}.{10 + node}/24", "dev", "eth1"],
+                           check=True)
+            subprocess.run(["ip", "-n", ns, "link", "set", "eth1", "up"], check=True)
+        yield f"{OTHER_SUBNET}.10"
+    finally:
+        subprocess.run(["ip", "-n", ends[0][0], "link", "del", "eth1"], capture_output=True)
+
+
+def _assert_closed_to_other_subnets(cluster: Cluster, job: Job, folder: Path) -> None:
+    """No host listens on every interface; from another subnet every port the job listens on in node 0 (its
+    store relay, the store on loopback, its rank's gloo listeners) refuses the connection, while the relay's
+    port on the job's own network does connect (the probe can tell an open port from a closed one)."""
+    for node in range(NODES):
+        wide = cluster.wildcard_listeners(node)
+        assert not wide, f"node {node} listens on every interface:\n" + "\n".join(wide)
+    ports = sorted({int(address.rsplit(":", 1)[1]) for address in cluster.listeners(0)})
+    assert job.port in ports, (job.port, cluster.listeners(0))
+    own = f"{cluster.addr(0)}:{job.port}"
+    with _second_network(cluster) as other:
+        code, out, err = _run_in(cluster, [sys.executable, "-c", _PROBE, own, *(f"{other}:{p}" for p in ports)],
+                                 _env(), folder, 60)
+    answers = dict(json.loads(line) for line in out.splitlines() if line.startswith("["))
+    assert code == 0 and answers.pop(own, None) == "connected", (code, answers, err)
+    assert len(answers) == len(ports) and set(answers.values()) == {"ECONNREFUSED"}, answers
+
+
 def test_strangers_on_the_network_change_nothing(cluster: Cluster, tmp_path: Path) -> None:
     secret = Path(os.environ["FABRICLITE_JOB_SECRET_FILE"]).read_bytes().strip()
     reference = Job(cluster, tmp_path / "reference", attacked=False)
@@ -159,6 +211,8 @@ def test_strangers_on_the_network_change_nothing(cluster: Cluster, tmp_path: Pat
     assert code not in (0, None), err
     assert f"{host0}:{job.port}" in err and "job secret" in err, err
     assert took <= startup + WRONG_SECRET_BOUND_S, (took, startup, err)
+
+    _assert_closed_to_other_subnets(cluster, job, tmp_path / "other-subnet")
 
     job.done.touch()
     job.finish()

@@ -102,9 +102,7 @@ def assert_no_wildcard_listener(cluster: Cluster) -> None:
     """In each host, no listening TCP socket of the job's processes is on every interface (``*``, ``0.0.0.0``,
     ``[::]``): the store listens on node 0's address, gloo on each host's."""
     for node in range(NODES):
-        out = subprocess.run(["ip", "netns", "exec", cluster.host(node), "ss", "-Hltnp"], capture_output=True,
-                             text=True, check=True).stdout
-        wide = [line for line in out.splitlines() if line.split()[3].rsplit(":", 1)[0] in ("*", "0.0.0.0", "[::]")]
+        wide = cluster.wildcard_listeners(node)
         assert not wide, f"node {node} listens on every interface:\n" + "\n".join(wide)
 
 
