@@ -15,6 +15,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 from helpers import REPO, clean_env, free_port  # noqa: F401 (free_port: the lane's tests take it from here)
 
 TRAIN = REPO / "tests" / "integration" / "backends" / "lane_ft" / "ft_train.py"
+#: every node started by this process and not yet reaped: ``stop_left()`` ends them after each test
+#: (tests/integration/backends/lane_ft/conftest.py), so a test stopped by pytest-timeout or a failed assertion
+#: leaves no job running on into the next test
+_UNREAPED: List["Node"] = []
 
 
 @dataclass
@@ -50,7 +54,25 @@ def start_nodes(out: Path, steps: int, nodes: int = 3, args: Sequence[str] = (),
         process = spawn(rank, command, full_env, **kwargs) if spawn else subprocess.Popen(command, env=full_env,
                                                                                              **kwargs)
         started.append(Node(rank, process, log_path))
+    _UNREAPED.extend(started)
     return started
+
+
+def stop_left(grace_s: float = 10.0) -> List[int]:
+    """End every node this process started that still runs: SIGTERM (the supervisor stops its ranks), SIGKILL
+    after ``grace_s``. Returns the node ranks that were still running."""
+    running = [node for node in _UNREAPED if node.process.poll() is None]
+    for node in running:
+        node.process.terminate()
+    deadline = time.monotonic() + grace_s
+    for node in running:
+        try:
+            node.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            node.process.kill()
+            node.process.wait()
+    _UNREAPED.clear()
+    return [node.rank for node in running]
 
 
 def wait_nodes(nodes: List[Node], timeout: float) -> List[Node]:
