@@ -179,6 +179,28 @@ def test_webdataset_replays_at_the_same_size_and_refuses_another(pool2: Any, poo
         and "3 ranks x 2 workers" in error, results
 
 
+def test_webdataset_two_resumes_in_a_row_then_a_save_at_the_epoch_end(pool2: Any, base: str) -> None:
+    """webdataset at the same sizes: saved at batch 3, resumed (replayed) and saved again at batch 6, resumed again:
+    every sample once. Then a save at the last batch of an epoch (12 batches): fabriclite cannot tell a stream
+    without a state is at its end, so the position is batch 12 of epoch 0, replayed (the warning says so), and the
+    next epoch follows whole."""
+    directory = case(base, "wds-twice")
+    attempt(pool2, "wds", directory, "a0", save_at=3, stop_at=4)
+    attempt(pool2, "wds", directory, "a1", resume=checkpoint(directory), save_at=6, stop_at=7)
+    results = attempt(pool2, "wds", directory, "a2", resume=checkpoint(directory))
+    assert all(r["error"] is None for r in results), results
+    check_epochs(account(directory), LENGTH, EPOCHS, {e: [] for e in range(EPOCHS)})
+    assert any("its first 6 batches of this epoch are replayed" in w for w in results[0]["warnings"]), results
+    directory = case(base, "wds-end")
+    attempt(pool2, "wds", directory, "a0", save_at=12, stop_at=12)
+    assert plain_state(directory)["epoch"] == 0 and plain_state(directory)["batch"] == 12, plain_state(directory)
+    results = attempt(pool2, "wds", directory, "a1", resume=checkpoint(directory))
+    accounting = account(directory)
+    check_epochs(accounting, LENGTH, EPOCHS, {e: [] for e in range(EPOCHS)})
+    assert 1 in accounting.sequences[("a1", 0)] and 0 not in accounting.sequences[("a1", 0)], accounting.sequences
+    assert any("its first 12 batches of this epoch are replayed" in w for w in results[0]["warnings"]), results
+
+
 def wrong_ranks(fabric: Any, library: str, root: str) -> str:
     """Build ``library``'s dataset as if on a single process (the variables it reads say rank 0 of 1), then set
     its loader up: the error's text."""
