@@ -3,7 +3,8 @@ fabriclite import): the reference the ft lane compares ``fabriclite run --fault-
 for bit (tests/integration/backends/lane_ft/test_lane_ft_groups.py).
 
 One process per rank: ``python groups_by_hand.py OUT STEPS GROUP GROUP_RANK RANKS_PER_GROUP STORE_PORT LIGHTHOUSE``.
-Group rank 0 hosts its group's TCPStore on ``127.0.0.1:STORE_PORT``; the group's ranks meet on it in a gloo process
+Group rank 0 hosts its group's TCPStore on ``127.0.0.1:STORE_PORT`` (0: a free port, written to
+``OUT/store-<group>.port`` for the group's other ranks); the group's ranks meet on it in a gloo process
 group (DDP inside the group), and each rank runs its own torchft Manager (rank = group rank, world size = the
 group's, the group's store). Each DDP bucket is summed inside the group, then across the groups on the Manager's
 process group, and divided by the number of ranks (a comm hook of this file). Every rank seeds 1234 (no init_sync:
@@ -11,6 +12,7 @@ every rank starts from the weights fabriclite gives every rank, group 0's rank 0
 rank ``group * R + group rank``, as ft_train.py. At the end it writes ``OUT/final-<group>[.<rank>].pt``."""
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -24,7 +26,17 @@ from torchft.process_group import ProcessGroupGloo
 out, steps, group, group_rank, ranks, store_port = sys.argv[1], *map(int, sys.argv[2:7])
 lighthouse = sys.argv[7]
 timeout = timedelta(seconds=60)
-store = dist.TCPStore("127.0.0.1", store_port, ranks, is_master=group_rank == 0, timeout=timeout)
+port_file = os.path.join(out, f"store-{group}.port")  # STORE_PORT 0: group rank 0's store takes a free port
+if group_rank == 0:
+    store = dist.TCPStore("127.0.0.1", store_port, ranks, is_master=True, timeout=timeout, wait_for_workers=False)
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(store.port))
+    os.replace(port_file + ".tmp", port_file)
+else:
+    while not os.path.exists(port_file):
+        time.sleep(0.05)
+    store = dist.TCPStore("127.0.0.1", int(open(port_file).read()), ranks, is_master=False, timeout=timeout)
+store_port = store.port
 dist.init_process_group("gloo", store=dist.PrefixStore("by_hand", store), rank=group_rank, world_size=ranks)
 
 torch.manual_seed(1234)

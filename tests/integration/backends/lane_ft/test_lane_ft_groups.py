@@ -39,7 +39,7 @@ def start_by_hand(out: Path) -> Tuple[subprocess.Popen, List[subprocess.Popen]]:
                                    f"127.0.0.1:{port}", "--min_replicas", "2", "--join_timeout_ms", "300",
                                    "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "1000"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    stores = [free_port(), free_port()]
+    stores = [0, 0]  # each group's rank 0 binds a free port itself (a port picked here could be taken meanwhile)
     ranks = []
     for rank, (group, group_rank) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
         command = [sys.executable, str(BY_HAND), str(out), str(STEPS), str(group), str(group_rank), "2",
