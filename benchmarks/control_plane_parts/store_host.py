@@ -53,6 +53,17 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+
+def _close(proc: subprocess.Popen) -> None:
+    """End a child that serves until its stdin closes: close it, wait 10 s, then SIGKILL."""
+    if proc.poll() is None:
+        proc.stdin.close()  # type: ignore[union-attr]
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
 class RelayHost:
     """A relay in a process of its own: ``RelayHost("server", store_port, secret)`` is node 0's (on loopback, in
     front of the store at ``store_port``), ``RelayHost("client", server_port, secret)`` a node's relay to it.
@@ -78,13 +89,7 @@ class RelayHost:
         return _cpu_s(self.proc.pid)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # type: ignore[union-attr]
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _close(self.proc)
 
 
 class StoreHost:
@@ -107,13 +112,7 @@ class StoreHost:
         self.close()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # type: ignore[union-attr]
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _close(self.proc)
 
     def client(self) -> Any:
         """A new client connection (torch's TCPStore)."""

@@ -58,32 +58,30 @@ def start_nodes(out: Path, steps: int, nodes: int = 3, args: Sequence[str] = (),
     return started
 
 
-def stop_left(grace_s: float = 10.0) -> List[int]:
-    """End every node this process started that still runs: SIGTERM (the supervisor stops its ranks), SIGKILL
-    after ``grace_s``. Returns the node ranks that were still running."""
-    running = [node for node in _UNREAPED if node.process.poll() is None]
-    for node in running:
-        node.process.terminate()
-    deadline = time.monotonic() + grace_s
-    for node in running:
-        try:
-            node.process.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            node.process.kill()
-            node.process.wait()
-    _UNREAPED.clear()
-    return [node.rank for node in running]
-
-
-def wait_nodes(nodes: List[Node], timeout: float) -> List[Node]:
-    """Wait for every node (killing what is left after ``timeout`` s); read their outputs."""
-    deadline = time.monotonic() + timeout
+def _reap(nodes: List[Node], deadline: float) -> None:
+    """Wait for each node until ``deadline`` (time.monotonic()), then SIGKILL what is left."""
     for node in nodes:
         try:
             node.process.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             node.process.kill()
             node.process.wait()
+
+
+def stop_left(grace_s: float = 10.0) -> List[int]:
+    """End every node this process started that still runs: SIGTERM (the supervisor stops its ranks), SIGKILL
+    after ``grace_s``. Returns the node ranks that were still running."""
+    running = [node for node in _UNREAPED if node.process.poll() is None]
+    for node in running:
+        node.process.terminate()
+    _reap(running, time.monotonic() + grace_s)
+    _UNREAPED.clear()
+    return [node.rank for node in running]
+
+
+def wait_nodes(nodes: List[Node], timeout: float) -> List[Node]:
+    """Wait for every node (killing what is left after ``timeout`` s); read their outputs."""
+    _reap(nodes, time.monotonic() + timeout)
     for node in nodes:
         node.output = node.log_path.read_text(errors="replace")
     return nodes
