@@ -214,15 +214,21 @@ def replica_name(group: int, ranks_per_group: int) -> str:
 def group_of(replica_id: str) -> Optional[int]:
     """The group (node rank) of a replica id fabriclite gives torchft (:func:`replica_name`, torchft adds
     ``:<uuid>``); None for another name (an external lighthouse may serve other jobs' groups too)."""
-    match = re.fullmatch(r"(?:r\d+_)?group_(\d+)(:.*)?", replica_id)
-    return int(match.group(1)) if match else None
+    parsed = _parse_replica_id(replica_id)
+    return parsed[0] if parsed else None
 
 
 def ranks_of(replica_id: str) -> Optional[int]:
     """The ranks per group a replica id of :func:`replica_name` names (1 without the ``r<R>_`` prefix); None for
     another name."""
-    match = re.fullmatch(r"(?:r(\d+)_)?group_\d+(:.*)?", replica_id)
-    return (int(match.group(1)) if match.group(1) else 1) if match else None
+    parsed = _parse_replica_id(replica_id)
+    return parsed[1] if parsed else None
+
+
+def _parse_replica_id(replica_id: str) -> Optional[Tuple[int, int]]:
+    """(group, ranks per group) of a :func:`replica_name` id (torchft's ``:<uuid>`` after it or not), or None."""
+    match = re.fullmatch(r"(?:r(\d+)_)?group_(\d+)(:.*)?", replica_id)
+    return (int(match.group(2)), int(match.group(1) or 1)) if match else None
 
 
 def ranks_mismatch(replica_ids: List[str], group: int, ranks_per_group: int) -> Optional[str]:

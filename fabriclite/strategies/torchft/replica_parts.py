@@ -251,15 +251,14 @@ class GroupDDP(nn.parallel.DistributedDataParallel):
     - DDP's constructor broadcasts group rank 0's parameters inside the group; torchft's ``init_sync`` then brings
       every group rank to group 0's (each group rank heals from the same group rank of a live group)."""
 
-    def __init__(self, manager: Manager, module: nn.Module, ranks_per_group: int) -> None:
+    def __init__(self, manager: Manager, module: nn.Module) -> None:
         super().__init__(module, find_unused_parameters=True, bucket_cap_mb_list=plain_bucket_caps(module))
-        self.ranks_per_group = ranks_per_group
         self.register_comm_hook(manager, self._comm_hook)
 
     @staticmethod
     def _comm_hook(state: Manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The bucket summed inside the group (waited for), then across the groups and averaged over every rank
-        (:func:`across_groups`)."""
+        (:func:`across_groups`; the group's ranks: the default process group's size)."""
         buffer = bucket.buffer()
         dist.all_reduce(buffer)  # raises when a rank of this group died: the group restarts as a whole anyway
         return across_groups(state, buffer, dist.get_world_size())

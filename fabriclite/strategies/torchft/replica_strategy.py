@@ -159,7 +159,7 @@ class FaultTolerantStrategy(DDPStrategy):
         with several ranks per group, DDP over the group's ranks whose buckets then cross the groups
         (replica_parts.GroupDDP): the mean over every rank of every group in the quorum."""
         if self.world_size > 1:
-            return _parts().GroupDDP(self.manager, module, self.world_size)
+            return _parts().GroupDDP(self.manager, module)
         return _parts().ReplicaDDP(self.manager, module)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
